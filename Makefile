@@ -1,0 +1,87 @@
+# omni: build and test. `make test` is the whole CPU check (what CI runs);
+# the GPU targets run on a machine with an NVIDIA GPU (see README.md).
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.14.1
+# Build the extension and fail when it cannot be compiled (no nvcc, say):
+# `make test` checks the compiled kernels, so a build without them is an error.
+OMNI_REQUIRE_CUDA_BUILD ?= 1
+# Triton kernels run on CPU tensors through Triton's interpreter in `make test`.
+TRITON_INTERPRET ?= 1
+
+# The CUDA toolkit: $CUDA_HOME when set, else CUDA 13.0, else /usr/local/cuda.
+CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-13.0) $(wildcard /usr/local/cuda))
+ifneq ($(strip $(CUDA_HOME)),)
+export CUDA_HOME
+endif
+export OMNI_REQUIRE_CUDA_BUILD
+
+VPY := $(VENV)/bin/python
+# The venv's cmake (>= 3.26) and ninja come before the system's: setup.py runs `cmake`.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+VENV_STAMP := $(VENV)/.omni-venv
+BUILD_STAMP := $(VENV)/.omni-build
+
+# What the build depends on; a change to any of it rebuilds the extension.
+build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_ARCHS:-}"; \
+	sha256sum pyproject.toml setup.py CMakeLists.txt 2>/dev/null || true; \
+	find csrc -type f -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0r sha256sum; } \
+	| sha256sum | cut -d' ' -f1
+
+.PHONY: venv build test test-gpu bench-gpu lint clean distclean
+
+## venv: $(VENV) with torch $(TORCH_VERSION) and the build tools.
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): Makefile
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q "setuptools>=64" wheel "cmake>=3.26" ninja numpy "torch==$(TORCH_VERSION)"
+	@touch $@
+
+## build: install omni editable with [dev] and compile omni_kernels._C from csrc/.
+# Skipped when nothing it depends on changed and the extension is in place.
+build: venv
+	@key=$$($(build_key)); \
+	if [ "$$key" = "$$(cat $(BUILD_STAMP) 2>/dev/null)" ] && compgen -G 'omni_kernels/_C*.so' >/dev/null; then \
+		echo "build: up to date (omni_kernels/_C)"; \
+	else \
+		echo "build: CUDA_HOME=$${CUDA_HOME:-<unset>} OMNI_CUDA_ARCHS=$${OMNI_CUDA_ARCHS:-<default>}"; \
+		rm -f $(BUILD_STAMP); \
+		start=$$(date +%s); \
+		$(VPY) -m pip install --no-build-isolation -e ".[dev]"; \
+		echo "build: done in $$(( $$(date +%s) - start ))s"; \
+		echo "$$key" > $(BUILD_STAMP); \
+	fi
+
+## test: build, check the packages import with the extension, run the CPU tests.
+test: build
+	$(VPY) -c "import omni_kernels, omni_diffusion, omni_serve; \
+	from omni_kernels._extension import compiled_extension_error as e; \
+	assert omni_kernels.has_compiled_extension(), e()"
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(VPY) -m pytest -q
+
+## test-gpu / bench-gpu: on a GPU machine, with its own python3 and torch.
+test-gpu:
+	bash scripts/device_gpu.sh test
+
+bench-gpu:
+	bash scripts/device_gpu.sh bench
+
+lint: venv
+	@$(VPY) -m ruff --version >/dev/null 2>&1 || $(VPY) -m pip install -q ruff
+	$(VPY) -m ruff check .
+
+## clean: build outputs (the venv stays); distclean: the venv too.
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(BUILD_STAMP)
+	rm -f omni_kernels/_C*.so
+	find omni_kernels omni_diffusion omni_serve tests bench -name __pycache__ -type d -prune \
+		-exec rm -rf {} + 2>/dev/null || true
+
+distclean: clean
+	rm -rf $(VENV)

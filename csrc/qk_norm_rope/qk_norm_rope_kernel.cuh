@@ -1,0 +1,276 @@
+// Fused QK-RMSNorm + rotary embedding: the kernel template and its launcher.
+//
+// One thread block per token (b, s) handles that token's q row [Hq, D] and k row [Hk, D], so
+// q and k share one launch and one read of the cos/sin row. Each thread owns one 16-byte vector
+// (8 half-precision values) of a row; the D/8 threads of a head sit in one warp, so a per-head
+// mean square is a shuffle reduction, and the rotate-half partner (element j + D/2) is the lane
+// D/16 away. Interleaved pairs (2i, 2i+1) sit inside one vector and need no exchange.
+// Everything is computed in float32 and rounded once on store.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../cuda_compat.h"
+#include "qk_norm_rope_params.h"
+
+namespace omni {
+namespace qk_norm_rope {
+
+template <typename T>
+struct Packed2;
+template <>
+struct Packed2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type from_float2(float2 v) { return __float22half2_rn(v); }
+};
+template <>
+struct Packed2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type from_float2(float2 v) { return __float22bfloat162_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ void load_vector(const T* ptr, float (&out)[kVectorElements]) {
+  using P = Packed2<T>;
+  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+  const typename P::type* pairs = reinterpret_cast<const typename P::type*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVectorElements / 2; ++i) {
+    const float2 f = P::to_float2(pairs[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vector(T* ptr, const float (&values)[kVectorElements]) {
+  using P = Packed2<T>;
+  uint4 raw;
+  typename P::type* pairs = reinterpret_cast<typename P::type*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVectorElements / 2; ++i) {
+    pairs[i] = P::from_float2(make_float2(values[2 * i], values[2 * i + 1]));
+  }
+  *reinterpret_cast<uint4*>(ptr) = raw;
+}
+
+__device__ __forceinline__ void load_float_vector(const float* ptr,
+                                                  float (&out)[kVectorElements]) {
+  const float4 lo = *reinterpret_cast<const float4*>(ptr);
+  const float4 hi = *reinterpret_cast<const float4*>(ptr + 4);
+  out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+  out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_weight(const void* weight, bool weight_fp32, int64_t offset,
+                                            float (&out)[kVectorElements]) {
+  if (weight == nullptr) {
+#pragma unroll
+    for (int i = 0; i < kVectorElements; ++i) out[i] = 1.0f;
+  } else if (weight_fp32) {
+    load_float_vector(static_cast<const float*>(weight) + offset, out);
+  } else {
+    load_vector(static_cast<const T*>(weight) + offset, out);
+  }
+}
+
+template <int kThreadsPerHead>
+__device__ __forceinline__ float head_sum(float value) {
+  // The kThreadsPerHead lanes of a head are aligned within the warp, so xor offsets below
+  // kThreadsPerHead never leave the head.
+#pragma unroll
+  for (int offset = kThreadsPerHead / 2; offset > 0; offset /= 2) {
+    value += OMNI_SHFL_XOR(OMNI_FULL_MASK, value, offset, OMNI_WARP_SIZE);
+  }
+  return value;
+}
+
+// Sums `value` over the whole block; every thread gets the total.
+__device__ __forceinline__ float2 block_sum(float2 value, float2* shared /* [32] */) {
+#pragma unroll
+  for (int offset = OMNI_WARP_SIZE / 2; offset > 0; offset /= 2) {
+    value.x += OMNI_SHFL_XOR(OMNI_FULL_MASK, value.x, offset, OMNI_WARP_SIZE);
+    value.y += OMNI_SHFL_XOR(OMNI_FULL_MASK, value.y, offset, OMNI_WARP_SIZE);
+  }
+  const int warp = threadIdx.x / OMNI_WARP_SIZE;
+  const int lane = threadIdx.x % OMNI_WARP_SIZE;
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  const int num_warps = blockDim.x / OMNI_WARP_SIZE;
+  float2 total = make_float2(0.0f, 0.0f);
+  for (int w = 0; w < num_warps; ++w) {
+    total.x += shared[w].x;
+    total.y += shared[w].y;
+  }
+  return total;
+}
+
+// Scales by inv_rms and the weight, rotates, and stores one vector.
+template <typename T, int kHeadDim, bool kInterleaved>
+__device__ __forceinline__ void normalize_rotate_store(float (&x)[kVectorElements],
+                                                       float inv_rms, const void* weight,
+                                                       bool weight_fp32, int64_t weight_offset,
+                                                       const float (&cos_v)[kVectorElements],
+                                                       const float (&sin_v)[kVectorElements],
+                                                       int lane_in_head, T* out) {
+  constexpr int kThreadsPerHead = kHeadDim / kVectorElements;
+  float w[kVectorElements];
+  load_weight<T>(weight, weight_fp32, weight_offset, w);
+#pragma unroll
+  for (int i = 0; i < kVectorElements; ++i) x[i] = x[i] * inv_rms * w[i];
+
+  float rotated[kVectorElements];
+  if constexpr (kInterleaved) {
+#pragma unroll
+    for (int i = 0; i < kVectorElements; i += 2) {
+      rotated[i] = -x[i + 1];
+      rotated[i + 1] = x[i];
+    }
+  } else {
+    // Lanes of the first half of the head take -(partner), the second half +(partner).
+    const float sign = lane_in_head < kThreadsPerHead / 2 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < kVectorElements; ++i) {
+      rotated[i] =
+          sign * OMNI_SHFL_XOR(OMNI_FULL_MASK, x[i], kThreadsPerHead / 2, OMNI_WARP_SIZE);
+    }
+  }
+  float result[kVectorElements];
+#pragma unroll
+  for (int i = 0; i < kVectorElements; ++i) result[i] = x[i] * cos_v[i] + rotated[i] * sin_v[i];
+  store_vector(out, result);
+}
+
+// Grid: one block per token (B * S blocks). Block: a multiple of the warp size; with
+// kAcrossHeads it covers the longer of the two rows in one pass (checked on the host).
+template <typename T, int kHeadDim, bool kInterleaved, bool kAcrossHeads>
+__global__ void qk_rmsnorm_rope_kernel(const Params p) {
+  constexpr int kThreadsPerHead = kHeadDim / kVectorElements;
+  static_assert(kThreadsPerHead <= OMNI_WARP_SIZE && OMNI_WARP_SIZE % kThreadsPerHead == 0,
+                "a head's lanes must fit in one warp");
+  __shared__ float2 reduce_shared[kMaxThreads / OMNI_WARP_SIZE];
+
+  const int64_t token = blockIdx.x;
+  const int64_t b = token / p.seq_len;
+  const int64_t s = token % p.seq_len;
+  const int q_vectors = p.heads_q * kThreadsPerHead;
+  const int k_vectors = p.heads_k * kThreadsPerHead;
+  const int row_vectors = q_vectors > k_vectors ? q_vectors : k_vectors;
+
+  const T* q_row = static_cast<const T*>(p.q) + b * p.q_batch_stride + s * p.q_seq_stride;
+  const T* k_row = static_cast<const T*>(p.k) + b * p.k_batch_stride + s * p.k_seq_stride;
+  T* q_out_row = static_cast<T*>(p.q_out) + b * p.q_out_batch_stride + s * p.q_out_seq_stride;
+  T* k_out_row = static_cast<T*>(p.k_out) + b * p.k_out_batch_stride + s * p.k_out_seq_stride;
+
+  // Uniform trip count across the block: shuffles and barriers need every lane present.
+  for (int base = 0; base < row_vectors; base += blockDim.x) {
+    const int v = base + threadIdx.x;
+    const bool has_q = v < q_vectors;
+    const bool has_k = v < k_vectors;
+    const int lane_in_head = v % kThreadsPerHead;
+    const int dim_offset = lane_in_head * kVectorElements;
+
+    // Issue every global load before the first use.
+    float xq[kVectorElements] = {};
+    float xk[kVectorElements] = {};
+    float cos_v[kVectorElements];
+    float sin_v[kVectorElements];
+    if (has_q) load_vector(q_row + v * kVectorElements, xq);
+    if (has_k) load_vector(k_row + v * kVectorElements, xk);
+    load_float_vector(p.cos + s * kHeadDim + dim_offset, cos_v);
+    load_float_vector(p.sin + s * kHeadDim + dim_offset, sin_v);
+
+    float2 sum_sq = make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < kVectorElements; ++i) {
+      sum_sq.x += xq[i] * xq[i];
+      sum_sq.y += xk[i] * xk[i];
+    }
+    float inv_rms_q, inv_rms_k;
+    int64_t weight_offset;
+    if constexpr (kAcrossHeads) {
+      const float2 total = block_sum(sum_sq, reduce_shared);
+      inv_rms_q = rsqrtf(total.x / static_cast<float>(q_vectors * kVectorElements) + p.eps);
+      inv_rms_k = rsqrtf(total.y / static_cast<float>(k_vectors * kVectorElements) + p.eps);
+      weight_offset = static_cast<int64_t>(v) * kVectorElements;
+    } else {
+      inv_rms_q = rsqrtf(head_sum<kThreadsPerHead>(sum_sq.x) / kHeadDim + p.eps);
+      inv_rms_k = rsqrtf(head_sum<kThreadsPerHead>(sum_sq.y) / kHeadDim + p.eps);
+      weight_offset = dim_offset;
+    }
+    // Each head's lanes are all valid or all invalid, so the rotate-half shuffle inside
+    // normalize_rotate_store always finds its partner; lanes past the row still take part.
+    if constexpr (kInterleaved) {
+      if (has_q)
+        normalize_rotate_store<T, kHeadDim, kInterleaved>(xq, inv_rms_q, p.q_weight,
+                                                          p.q_weight_fp32, weight_offset, cos_v,
+                                                          sin_v, lane_in_head,
+                                                          q_out_row + v * kVectorElements);
+      if (has_k)
+        normalize_rotate_store<T, kHeadDim, kInterleaved>(xk, inv_rms_k, p.k_weight,
+                                                          p.k_weight_fp32, weight_offset, cos_v,
+                                                          sin_v, lane_in_head,
+                                                          k_out_row + v * kVectorElements);
+    } else {
+      // Every lane runs the shuffles; the out-of-row ones write to a scratch vector.
+      alignas(16) T scratch[kVectorElements];
+      normalize_rotate_store<T, kHeadDim, kInterleaved>(
+          xq, inv_rms_q, has_q ? p.q_weight : nullptr, p.q_weight_fp32,
+          has_q ? weight_offset : 0, cos_v, sin_v, lane_in_head,
+          has_q ? q_out_row + v * kVectorElements : scratch);
+      normalize_rotate_store<T, kHeadDim, kInterleaved>(
+          xk, inv_rms_k, has_k ? p.k_weight : nullptr, p.k_weight_fp32,
+          has_k ? weight_offset : 0, cos_v, sin_v, lane_in_head,
+          has_k ? k_out_row + v * kVectorElements : scratch);
+    }
+  }
+}
+
+template <typename T, int kHeadDim>
+void launch_for_head_dim(const Params& params, int64_t num_tokens, bool interleaved,
+                         bool norm_across_heads, int threads, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_tokens));
+  const dim3 block(threads);
+  if (interleaved) {
+    if (norm_across_heads)
+      qk_rmsnorm_rope_kernel<T, kHeadDim, true, true><<<grid, block, 0, stream>>>(params);
+    else
+      qk_rmsnorm_rope_kernel<T, kHeadDim, true, false><<<grid, block, 0, stream>>>(params);
+  } else {
+    if (norm_across_heads)
+      qk_rmsnorm_rope_kernel<T, kHeadDim, false, true><<<grid, block, 0, stream>>>(params);
+    else
+      qk_rmsnorm_rope_kernel<T, kHeadDim, false, false><<<grid, block, 0, stream>>>(params);
+  }
+}
+
+// Explicitly instantiated per dtype in qk_norm_rope_{bf16,fp16}.cu, so the two compile in
+// parallel. head_dim is one of 64, 128, 256 (checked by the caller).
+template <typename T>
+void launch_qk_rmsnorm_rope(const Params& params, int64_t num_tokens, int head_dim,
+                            bool interleaved, bool norm_across_heads, int threads,
+                            cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      launch_for_head_dim<T, 64>(params, num_tokens, interleaved, norm_across_heads, threads,
+                                 stream);
+      break;
+    case 128:
+      launch_for_head_dim<T, 128>(params, num_tokens, interleaved, norm_across_heads, threads,
+                                  stream);
+      break;
+    case 256:
+      launch_for_head_dim<T, 256>(params, num_tokens, interleaved, norm_across_heads, threads,
+                                  stream);
+      break;
+  }
+}
+
+}  // namespace qk_norm_rope
+}  // namespace omni

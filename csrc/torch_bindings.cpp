@@ -1,0 +1,23 @@
+// Schemas and CUDA implementations of omni_kernels._C's ops (torch.ops.omni_kernels.*).
+// Fake (meta) implementations live beside the Python wrappers, so torch.compile traces them.
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(omni_kernels, ops) {
+  // RMSNorm over each head of q and k (or over all heads), then rotary embedding, in one pass.
+  ops.def(
+      "qk_rmsnorm_rope(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, "
+      "Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
+      "bool interleaved, bool norm_across_heads) -> ()");
+  ops.impl("qk_rmsnorm_rope", torch::kCUDA, &qk_rmsnorm_rope);
+}
+
+// `import omni_kernels._C` loads this library (and so runs TORCH_LIBRARY above); the module
+// itself carries no Python functions: every op is reached through torch.ops.omni_kernels.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, 0, nullptr};
+  return PyModule_Create(&module_def);
+}
