@@ -7,7 +7,6 @@ which explains what is missing and how to build it.
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 BUILD_HINT = (
@@ -17,14 +16,22 @@ BUILD_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_extension_error() -> str | None:
-    """Why ``omni_kernels._C`` cannot be used, or ``None`` when it loaded."""
+def _load_compiled_extension() -> str | None:
     try:
         importlib.import_module("omni_kernels._C")
     except ImportError as exc:
         return f"omni_kernels._C is not available ({exc}). {BUILD_HINT}"
     return None
+
+
+# Resolved once, at import: the checks below then read a constant, which torch.compile traces
+# without a graph break (it cannot trace the import machinery).
+_COMPILED_EXTENSION_ERROR = _load_compiled_extension()
+
+
+def compiled_extension_error() -> str | None:
+    """Why ``omni_kernels._C`` cannot be used, or ``None`` when it loaded."""
+    return _COMPILED_EXTENSION_ERROR
 
 
 def has_compiled_extension() -> bool:

@@ -8,22 +8,28 @@ bfloat16 is broken).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
 
+# Both are read once, at import: Triton itself reads TRITON_INTERPRET when its kernels are
+# defined, and torch.compile traces constants where it cannot trace importlib or os.environ.
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_TRITON_IMPORT_ERROR = (
+    None
+    if importlib.util.find_spec("triton") is not None
+    else "the 'triton' package is not installed (pip install triton)"
+)
+
 
 def triton_interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run through the interpreter (TRITON_INTERPRET=1 at import)."""
+    return _TRITON_INTERPRET
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "the 'triton' package is not installed (pip install triton)"
-    return None
+    return _TRITON_IMPORT_ERROR
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -8,7 +8,7 @@
 # (diffusers, say) travel as wheels in .whl/ at the repo root; they are
 # installed into /tmp/site, without their dependencies, and put on PYTHONPATH.
 #
-# Environment: OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
+# Environment: OMNI_GPU_TESTS (test paths, default tests), OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
 # (default: /usr/local/cuda-13.0 or /usr/local/cuda when they hold nvcc),
 # OUT (benchmark results go to $OUT, else bench/results).
 #
@@ -80,9 +80,12 @@ fi
 test_rc=skipped
 test_s=0
 if [ "$mode" != bench ]; then
-    echo "== test: python3 -m pytest -m gpu -q tests"
+    # OMNI_GPU_TESTS narrows the run to some test files (default: every gpu test).
+    test_paths=${OMNI_GPU_TESTS:-tests}
+    echo "== test: python3 -m pytest -m gpu -q $test_paths"
     start=$(date +%s)
-    OMNI_REQUIRE_CUDA_EXT=1 python3 -m pytest -m gpu -q tests
+    # shellcheck disable=SC2086  # a space-separated list of paths
+    OMNI_REQUIRE_CUDA_EXT=1 python3 -m pytest -m gpu -q $test_paths
     test_rc=$?
     test_s=$(( $(date +%s) - start ))
 fi

@@ -1,7 +1,8 @@
 // Fused QK-RMSNorm + rotary embedding: the kernel template and its launcher.
 //
-// One thread block per token (b, s) handles that token's q row [Hq, D] and k row [Hk, D], so
-// q and k share one launch and one read of the cos/sin row. Each thread owns one 16-byte vector
+// One launch covers q and k. With the per-head norm one thread block per token (b, s) handles
+// that token's q row [Hq, D] and k row [Hk, D]; with the norm across heads, one block per token
+// and tensor. Each thread owns one 16-byte vector
 // (8 half-precision values) of a row; the D/8 threads of a head sit in one warp, so a per-head
 // mean square is a shuffle reduction, and the rotate-half partner (element j + D/2) is the lane
 // D/16 away. Interleaved pairs (2i, 2i+1) sit inside one vector and need no exchange.
@@ -147,14 +148,13 @@ __device__ __forceinline__ void normalize_rotate_store(float (&x)[kVectorElement
   store_vector(out, result);
 }
 
-// Grid: one block per token (B * S blocks). Block: a multiple of the warp size; with
-// kAcrossHeads it covers the longer of the two rows in one pass (checked on the host).
-template <typename T, int kHeadDim, bool kInterleaved, bool kAcrossHeads>
-__global__ void qk_rmsnorm_rope_kernel(const Params p) {
+// Per-head norm. Grid: one block per token (B * S blocks), covering both q and k, so their
+// loads are in flight together. Block: a multiple of the warp size; loops if a row is longer.
+template <typename T, int kHeadDim, bool kInterleaved>
+__global__ void qk_rmsnorm_rope_per_head_kernel(const Params p) {
   constexpr int kThreadsPerHead = kHeadDim / kVectorElements;
   static_assert(kThreadsPerHead <= OMNI_WARP_SIZE && OMNI_WARP_SIZE % kThreadsPerHead == 0,
                 "a head's lanes must fit in one warp");
-  __shared__ float2 reduce_shared[kMaxThreads / OMNI_WARP_SIZE];
 
   const int64_t token = blockIdx.x;
   const int64_t b = token / p.seq_len;
@@ -168,7 +168,7 @@ __global__ void qk_rmsnorm_rope_kernel(const Params p) {
   T* q_out_row = static_cast<T*>(p.q_out) + b * p.q_out_batch_stride + s * p.q_out_seq_stride;
   T* k_out_row = static_cast<T*>(p.k_out) + b * p.k_out_batch_stride + s * p.k_out_seq_stride;
 
-  // Uniform trip count across the block: shuffles and barriers need every lane present.
+  // Uniform trip count across the block: the shuffles need every lane of a warp present.
   for (int base = 0; base < row_vectors; base += blockDim.x) {
     const int v = base + threadIdx.x;
     const bool has_q = v < q_vectors;
@@ -186,67 +186,109 @@ __global__ void qk_rmsnorm_rope_kernel(const Params p) {
     load_float_vector(p.cos + s * kHeadDim + dim_offset, cos_v);
     load_float_vector(p.sin + s * kHeadDim + dim_offset, sin_v);
 
-    float2 sum_sq = make_float2(0.0f, 0.0f);
+    float sum_sq_q = 0.0f, sum_sq_k = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVectorElements; ++i) {
-      sum_sq.x += xq[i] * xq[i];
-      sum_sq.y += xk[i] * xk[i];
+      sum_sq_q += xq[i] * xq[i];
+      sum_sq_k += xk[i] * xk[i];
     }
-    float inv_rms_q, inv_rms_k;
-    int64_t weight_offset;
-    if constexpr (kAcrossHeads) {
-      const float2 total = block_sum(sum_sq, reduce_shared);
-      inv_rms_q = rsqrtf(total.x / static_cast<float>(q_vectors * kVectorElements) + p.eps);
-      inv_rms_k = rsqrtf(total.y / static_cast<float>(k_vectors * kVectorElements) + p.eps);
-      weight_offset = static_cast<int64_t>(v) * kVectorElements;
-    } else {
-      inv_rms_q = rsqrtf(head_sum<kThreadsPerHead>(sum_sq.x) / kHeadDim + p.eps);
-      inv_rms_k = rsqrtf(head_sum<kThreadsPerHead>(sum_sq.y) / kHeadDim + p.eps);
-      weight_offset = dim_offset;
-    }
+    const float inv_rms_q = rsqrtf(head_sum<kThreadsPerHead>(sum_sq_q) / kHeadDim + p.eps);
+    const float inv_rms_k = rsqrtf(head_sum<kThreadsPerHead>(sum_sq_k) / kHeadDim + p.eps);
     // Each head's lanes are all valid or all invalid, so the rotate-half shuffle inside
     // normalize_rotate_store always finds its partner; lanes past the row still take part.
     if constexpr (kInterleaved) {
       if (has_q)
         normalize_rotate_store<T, kHeadDim, kInterleaved>(xq, inv_rms_q, p.q_weight,
-                                                          p.q_weight_fp32, weight_offset, cos_v,
+                                                          p.q_weight_fp32, dim_offset, cos_v,
                                                           sin_v, lane_in_head,
                                                           q_out_row + v * kVectorElements);
       if (has_k)
         normalize_rotate_store<T, kHeadDim, kInterleaved>(xk, inv_rms_k, p.k_weight,
-                                                          p.k_weight_fp32, weight_offset, cos_v,
+                                                          p.k_weight_fp32, dim_offset, cos_v,
                                                           sin_v, lane_in_head,
                                                           k_out_row + v * kVectorElements);
     } else {
       // Every lane runs the shuffles; the out-of-row ones write to a scratch vector.
       alignas(16) T scratch[kVectorElements];
       normalize_rotate_store<T, kHeadDim, kInterleaved>(
-          xq, inv_rms_q, has_q ? p.q_weight : nullptr, p.q_weight_fp32,
-          has_q ? weight_offset : 0, cos_v, sin_v, lane_in_head,
-          has_q ? q_out_row + v * kVectorElements : scratch);
+          xq, inv_rms_q, has_q ? p.q_weight : nullptr, p.q_weight_fp32, dim_offset, cos_v,
+          sin_v, lane_in_head, has_q ? q_out_row + v * kVectorElements : scratch);
       normalize_rotate_store<T, kHeadDim, kInterleaved>(
-          xk, inv_rms_k, has_k ? p.k_weight : nullptr, p.k_weight_fp32,
-          has_k ? weight_offset : 0, cos_v, sin_v, lane_in_head,
-          has_k ? k_out_row + v * kVectorElements : scratch);
+          xk, inv_rms_k, has_k ? p.k_weight : nullptr, p.k_weight_fp32, dim_offset, cos_v,
+          sin_v, lane_in_head, has_k ? k_out_row + v * kVectorElements : scratch);
     }
+  }
+}
+
+// Norm over all H*D values of a token (Wan). Grid: (B * S, 2); blockIdx.y picks q (0) or k (1).
+// One tensor per block keeps registers low enough for two 640-thread blocks per SM, so one
+// block's loads overlap the other's barrier. Block: covers the longer row in one pass
+// (checked on the host), so every value stays in registers between the reduction and the store.
+template <typename T, int kHeadDim, bool kInterleaved>
+__global__ void qk_rmsnorm_rope_across_heads_kernel(const Params p) {
+  constexpr int kThreadsPerHead = kHeadDim / kVectorElements;
+  __shared__ float2 reduce_shared[kMaxThreads / OMNI_WARP_SIZE];
+
+  const int64_t token = blockIdx.x;
+  const int64_t b = token / p.seq_len;
+  const int64_t s = token % p.seq_len;
+  const bool is_q = blockIdx.y == 0;
+  const T* row = static_cast<const T*>(is_q ? p.q : p.k) +
+                 b * (is_q ? p.q_batch_stride : p.k_batch_stride) +
+                 s * (is_q ? p.q_seq_stride : p.k_seq_stride);
+  T* out_row = static_cast<T*>(is_q ? p.q_out : p.k_out) +
+               b * (is_q ? p.q_out_batch_stride : p.k_out_batch_stride) +
+               s * (is_q ? p.q_out_seq_stride : p.k_out_seq_stride);
+  const void* weight = is_q ? p.q_weight : p.k_weight;
+  const bool weight_fp32 = is_q ? p.q_weight_fp32 : p.k_weight_fp32;
+  const int vectors = (is_q ? p.heads_q : p.heads_k) * kThreadsPerHead;
+
+  const int v = threadIdx.x;
+  const bool active = v < vectors;
+  const int lane_in_head = v % kThreadsPerHead;
+  const int dim_offset = lane_in_head * kVectorElements;
+  float x[kVectorElements] = {};
+  float cos_v[kVectorElements];
+  float sin_v[kVectorElements];
+  if (active) load_vector(row + v * kVectorElements, x);
+  load_float_vector(p.cos + s * kHeadDim + dim_offset, cos_v);
+  load_float_vector(p.sin + s * kHeadDim + dim_offset, sin_v);
+
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kVectorElements; ++i) sum_sq += x[i] * x[i];
+  const float total = block_sum(make_float2(sum_sq, 0.0f), reduce_shared).x;
+  const float inv_rms = rsqrtf(total / static_cast<float>(vectors * kVectorElements) + p.eps);
+  const int64_t weight_offset = static_cast<int64_t>(v) * kVectorElements;
+  if constexpr (kInterleaved) {
+    if (active)
+      normalize_rotate_store<T, kHeadDim, kInterleaved>(x, inv_rms, weight, weight_fp32,
+                                                        weight_offset, cos_v, sin_v,
+                                                        lane_in_head, out_row + weight_offset);
+  } else {
+    alignas(16) T scratch[kVectorElements];
+    normalize_rotate_store<T, kHeadDim, kInterleaved>(
+        x, inv_rms, active ? weight : nullptr, weight_fp32, active ? weight_offset : 0, cos_v,
+        sin_v, lane_in_head, active ? out_row + weight_offset : scratch);
   }
 }
 
 template <typename T, int kHeadDim>
 void launch_for_head_dim(const Params& params, int64_t num_tokens, bool interleaved,
                          bool norm_across_heads, int threads, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(num_tokens));
   const dim3 block(threads);
-  if (interleaved) {
-    if (norm_across_heads)
-      qk_rmsnorm_rope_kernel<T, kHeadDim, true, true><<<grid, block, 0, stream>>>(params);
+  if (norm_across_heads) {
+    const dim3 grid(static_cast<unsigned>(num_tokens), 2);
+    if (interleaved)
+      qk_rmsnorm_rope_across_heads_kernel<T, kHeadDim, true><<<grid, block, 0, stream>>>(params);
     else
-      qk_rmsnorm_rope_kernel<T, kHeadDim, true, false><<<grid, block, 0, stream>>>(params);
+      qk_rmsnorm_rope_across_heads_kernel<T, kHeadDim, false><<<grid, block, 0, stream>>>(params);
   } else {
-    if (norm_across_heads)
-      qk_rmsnorm_rope_kernel<T, kHeadDim, false, true><<<grid, block, 0, stream>>>(params);
+    const dim3 grid(static_cast<unsigned>(num_tokens));
+    if (interleaved)
+      qk_rmsnorm_rope_per_head_kernel<T, kHeadDim, true><<<grid, block, 0, stream>>>(params);
     else
-      qk_rmsnorm_rope_kernel<T, kHeadDim, false, false><<<grid, block, 0, stream>>>(params);
+      qk_rmsnorm_rope_per_head_kernel<T, kHeadDim, false><<<grid, block, 0, stream>>>(params);
   }
 }
 

@@ -1,0 +1,455 @@
+#!/usr/bin/env python3
+"""Benchmark of omni's attention backends on diffusion-transformer shapes (one GPU, one process).
+
+For each model shape (bf16, non-causal, ``[B, H, S, D]``), every backend that
+loads runs the same inputs through :func:`omni_kernels.attention.attention`
+(``backend=<name>``, so the dispatch cost is included): omni's Triton kernel
+(``omni_triton``) beside torch SDPA's cuDNN, flash and memory-efficient kernels,
+and flash-attn 2/3, FlashInfer, SageAttention (lossy) and xFormers when they are
+installed. A backend that does not load is recorded with the reason (package
+missing, extension built for another torch, ...), and one that cannot take a
+shape with the constraint it violates; the run goes on.
+
+* time: ``triton.testing.do_bench(..., return_mode="median")`` (L2 flushed before
+  each call); rep/warmup shrink for the large video shapes so the whole run stays
+  within a few minutes.
+* TFLOP/s: ``4 * B * H * Sq * Skv * D / time`` (two matmuls, non-causal).
+* ratio: time of ``sdpa_cudnn`` / time of the backend (> 1 is faster than cuDNN).
+* rel err: ``||out - ref|| / ||ref||`` against a float32 reference (SDPA's
+  memory-efficient kernel on float32 copies, a few heads at a time), on the
+  shapes with ``Sq * Skv <= --accuracy-max-scores`` (default: all but Wan 720p
+  and HunyuanVideo).
+* dispatch us: host time of omni's backend selection per call (no GPU work).
+
+Output: ``<out-dir>/attention_<device>_<YYYYMMDD>.json`` and ``.md`` with the
+commit, device, versions and the exact command; the markdown is printed last.
+``--write-auto-table`` rewrites this GPU's entry (``sm90`` on an H100/H200) of
+``omni_kernels/attention/auto_table.json``: backends ranked by their median
+TFLOP/s over the shapes, lossless ones only unless ``--table-include-lossy``
+(a copy goes to the out-dir too).
+
+    python3 bench/attention.py [--shapes flux sd35 ...] [--backends omni_triton sdpa_cudnn ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    description: str
+    batch: int
+    heads: int
+    seq_q: int
+    seq_kv: int
+    head_dim: int
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
+
+
+SHAPES = {
+    "flux": Shape("flux-1024", "Flux.1 1024x1024: 4096 image + 512 text tokens, 24 heads x 128",
+                  1, 24, 4608, 4608, 128),
+    "sd35": Shape("sd3.5-1024", "SD3.5 Large 1024x1024: 4096 image + 333 text tokens, 38 heads x 64",
+                  1, 38, 4429, 4429, 64),
+    "qwen": Shape("qwen-image-1328", "Qwen-Image 1328x1328: 6889 image + 512 text tokens, 24 heads x 128",
+                  1, 24, 7401, 7401, 128),
+    "wan480": Shape("wan2.1-14b-480p", "Wan2.1-14B 480p 81 frames: 32760 tokens, 40 heads x 128",
+                    1, 40, 32760, 32760, 128),
+    "wan720": Shape("wan2.1-14b-720p", "Wan2.1-14B 720p 81 frames: 75600 tokens, 40 heads x 128",
+                    1, 40, 75600, 75600, 128),
+    "wancross": Shape("wan2.1-14b-cross", "Wan2.1-14B 480p cross-attention: 32760 queries x 512 text keys",
+                      1, 40, 32760, 512, 128),
+    "hunyuan": Shape("hunyuanvideo-720p", "HunyuanVideo 720p 129 frames: 119040 tokens, 24 heads x 128",
+                     1, 24, 119040, 119040, 128),
+}
+
+DEFAULT_BACKENDS = (
+    "sdpa_cudnn", "omni_triton", "sdpa_flash", "sdpa_efficient", "flash_attn3", "flash_attn",
+    "flashinfer", "sageattention", "xformers",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BASELINE = "sdpa_cudnn"
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _make_inputs(shape: Shape, dtype, layout: str, seed: int):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+
+    def one(seq):
+        x = torch.randn((shape.batch, shape.heads, seq, shape.head_dim), generator=gen,
+                        device="cuda", dtype=dtype)
+        return x if layout == "bhsd" else x.transpose(1, 2).contiguous()
+
+    return one(shape.seq_q), one(shape.seq_kv), one(shape.seq_kv)
+
+
+def _heads_view(x, layout, h0, h1):
+    return x[:, h0:h1] if layout == "bhsd" else x[:, :, h0:h1]
+
+
+def _reference(q, k, v, layout: str, heads: int):
+    """float32 reference, a few heads at a time (SDPA efficient kernel on float32 copies)."""
+    from omni_kernels.attention import attention
+
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    seq_q, seq_kv = (q.shape[2], k.shape[2]) if layout == "bhsd" else (q.shape[1], k.shape[1])
+    chunk = max(1, min(heads, int(2**31 // max(1, seq_q * q.shape[-1] * 4))))
+    for h0 in range(0, heads, chunk):
+        h1 = min(heads, h0 + chunk)
+        qs, ks, vs = (_heads_view(t, layout, h0, h1).float() for t in (q, k, v))
+        try:
+            part = attention(qs, ks, vs, backend="sdpa_efficient", layout=layout)
+        except Exception:
+            part = attention(qs, ks, vs, backend="sdpa_math", layout=layout)
+        _heads_view(out, layout, h0, h1).copy_(part)
+    return out
+
+
+def _relative_error(out, ref) -> float:
+    out = out.reshape(-1)
+    ref = ref.reshape(-1)
+    err = 0.0
+    norm = 0.0
+    step = 1 << 26
+    for i in range(0, ref.numel(), step):
+        o = out[i:i + step].double()
+        r = ref[i:i + step].double()
+        err += torch.sum((o - r) ** 2).item()
+        norm += torch.sum(r * r).item()
+    return math.sqrt(err / norm) if norm else float("nan")
+
+
+def _bench_args(shape: Shape) -> tuple[float, float]:
+    """(warmup ms, rep ms) for do_bench: a few calls of the big shapes, ~100 ms of the small."""
+    est_ms = shape.flops / 400e12 * 1e3  # a pessimistic time per call
+    if est_ms < 10:
+        return 25.0, 100.0
+    return est_ms, 3 * est_ms
+
+
+def _dispatch_us(name, q, k, v, layout, calls=200) -> float:
+    from omni_kernels.attention import registry
+
+    registry._plan(q, k, v, name, layout, False, None, None, False, None)
+    start = time.perf_counter()
+    for _ in range(calls):
+        registry._plan(q, k, v, name, layout, False, None, None, False, None)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
+    import triton
+
+    from omni_kernels.attention import attention, select_backend
+
+    q, k, v = _make_inputs(shape, dtype, layout, args.seed)
+    ref = None
+    if shape.seq_q * shape.seq_kv <= args.accuracy_max_scores:
+        ref = _reference(q, k, v, layout, shape.heads)
+    rows = []
+    warmup, rep = _bench_args(shape)
+    for name in backends:
+        row = dict(shape=shape.name, backend=name)
+        rows.append(row)
+        if name in unavailable:
+            row["status"] = f"unavailable: {unavailable[name]}"
+            continue
+        chosen, reason = select_backend(q, k, v, backend=name, layout=layout)
+        if chosen is None:
+            row["status"] = f"ineligible: {reason}"
+            continue
+        try:
+            fn = lambda: attention(q, k, v, backend=name, layout=layout)  # noqa: E731
+            out = fn()
+            torch.cuda.synchronize()
+            if ref is not None:
+                row["rel_err"] = _relative_error(out, ref)
+            del out
+            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+            row["median_ms"] = ms
+            row["tflops"] = shape.flops / (ms * 1e-3) / 1e12
+            row["dispatch_us"] = _dispatch_us(name, q, k, v, layout)
+            row["status"] = "ok"
+        except Exception as exc:  # out of memory, a kernel that fails to build, ...
+            row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+            row["traceback"] = traceback.format_exc()[-3000:]
+            print(row["traceback"], file=sys.stderr)
+        torch.cuda.empty_cache()
+        print(f"  {shape.name:22s} {name:15s} {row['status'][:60]:60s} "
+              f"{row.get('tflops', float('nan')):7.1f} TFLOP/s  rel err {row.get('rel_err', float('nan')):.2e}",
+              file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["backend"] == BASELINE and r.get("status") == "ok"), None)
+    for r in rows:
+        if base is not None and r.get("status") == "ok":
+            r["ratio_vs_cudnn"] = base["median_ms"] / r["median_ms"]
+    return rows
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _versions() -> dict:
+    from omni_kernels.attention.backends._util import package_version
+
+    out = {}
+    for dist in ("triton", "diffusers", "flash-attn", "flash-attn-3", "flashinfer-python",
+                 "sageattention", "xformers"):
+        out[dist] = package_version(dist) or "not installed"
+    return out
+
+
+def _environment() -> dict:
+    cap = torch.cuda.get_device_capability()
+    return dict(
+        git_commit=_git_commit(),
+        device=torch.cuda.get_device_name(),
+        arch=f"sm{cap[0]}{cap[1]}",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(),
+        python=platform.python_version(),
+        packages=_versions(),
+        command=" ".join([sys.executable, *sys.argv]),
+        argv=sys.argv,
+        utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _cell(row) -> str:
+    if row is None:
+        return "-"
+    if row.get("status") != "ok":
+        status = row.get("status", "")
+        return "n/a" if status.startswith("unavailable") else status.split(":")[0]
+    ratio = row.get("ratio_vs_cudnn")
+    return f"{row['tflops']:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
+def _markdown(env, shapes, backends, rows, unavailable, table_entry) -> str:
+    ran = [b for b in backends if b not in unavailable]
+    lines = [
+        "# Attention backends",
+        "",
+        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}, "
+        f"cuDNN {env['cudnn']}), triton {env['packages']['triton']}, python {env['python']}",
+        f"- git commit: {env['git_commit']}; {env['utc']}",
+        f"- command: `{env['command']}`",
+        f"- {env['dtype']}, non-causal, layout {env['layout']}; TFLOP/s = 4*B*H*Sq*Skv*D / median "
+        f"time (triton.testing.do_bench, L2 flushed); (x) = speed relative to {BASELINE}; "
+        "through omni_kernels.attention.attention (dispatch included).",
+        "",
+        "## TFLOP/s",
+        "",
+        "| shape | " + " | ".join(ran) + " |",
+        "| --- | " + " | ".join("---:" for _ in ran) + " |",
+    ]
+    index = {(r["shape"], r["backend"]): r for r in rows}
+    for s in shapes:
+        lines.append(f"| {s.name} | " + " | ".join(_cell(index.get((s.name, b))) for b in ran) + " |")
+    lines += ["", "## Relative error vs float32 reference", "",
+              "| shape | " + " | ".join(ran) + " |", "| --- | " + " | ".join("---:" for _ in ran) + " |"]
+    for s in shapes:
+        cells = []
+        for b in ran:
+            r = index.get((s.name, b))
+            cells.append(f"{r['rel_err']:.1e}" if r and "rel_err" in r else "-")
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    notes = [r for r in rows if r.get("status", "ok") != "ok" and not r["status"].startswith("unavailable")]
+    if notes:
+        lines += ["", "## Not run", ""]
+        lines += [f"- {r['shape']} / {r['backend']}: {r['status']}" for r in notes]
+    if unavailable:
+        lines += ["", "## Unavailable backends", ""]
+        lines += [f"- {name}: {reason}" for name, reason in unavailable.items()]
+    dispatch = {}
+    for r in rows:
+        if "dispatch_us" in r:
+            dispatch.setdefault(r["backend"], []).append(r["dispatch_us"])
+    if dispatch:
+        lines += ["", "Dispatch (backend selection, host) us per call: "
+                  + ", ".join(f"{b} {statistics.median(v):.0f}" for b, v in dispatch.items())]
+    if table_entry is not None:
+        lines += ["", f"auto table ({env['arch']}): " + " > ".join(table_entry["ranking"])]
+    return "\n".join(lines)
+
+
+def _device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
+
+
+def _table_entry(env, shapes, rows, include_lossy: bool, previous: dict | None) -> dict:
+    from omni_kernels.attention import get_backend, list_backends
+
+    per_backend: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            per_backend.setdefault(r["backend"], []).append(r["tflops"])
+    medians = {}
+    full = {}
+    for name, values in per_backend.items():
+        if get_backend(name).lossy and not include_lossy:
+            continue
+        medians[name] = statistics.median(values)
+        full[name] = len(values) == len(shapes)
+    # Backends that ran every shape first (their medians compare like with like), then the
+    # ones that could not take some shape; each group by median TFLOP/s.
+    ranking = sorted(medians, key=lambda n: (not full[n], -medians[n]))
+    registered = list_backends()
+    # Unmeasured lossless backends keep their previous relative order, after the measured ones.
+    for name in list((previous or {}).get("ranking", [])) + registered:
+        if name in ranking or name == "sdpa_math" or name not in registered:
+            continue
+        if get_backend(name).lossy:
+            continue
+        ranking.append(name)
+    ranking.append("sdpa_math")
+    lossy = [n for n in ranking if get_backend(n).lossy]
+    return dict(
+        source=(
+            f"MEASURED by bench/attention.py on {env['device']} ({env['arch']}), {env['utc']}, "
+            f"commit {env['git_commit']}, torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
+            f"{env['cudnn']}), triton {env['packages']['triton']}, {env['dtype']} non-causal; "
+            f"ranked by median TFLOP/s over {', '.join(s.name for s in shapes)} (backends that "
+            "ran every shape first)"
+            + ("; lossy backends included" if include_lossy else "; lossless backends only")
+            + ". Unmeasured backends follow in their previous order; sdpa_math last."
+        ),
+        ranking=ranking,
+        median_tflops={n: round(v, 1) for n, v in sorted(medians.items(), key=lambda kv: -kv[1])},
+        lossy_listed=lossy,
+    )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Benchmark omni's attention backends on DiT shapes.")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
+                        help="registered backend names (default: all but sdpa_math)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"),
+                        help="where the .json and .md go (default: $OUT, else bench/results)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accuracy-max-scores", type=float, default=1.1e9,
+                        help="check accuracy on shapes with Sq*Skv up to this (default 1.1e9)")
+    parser.add_argument("--write-auto-table", action="store_true",
+                        help="rewrite this GPU's entry of omni_kernels/attention/auto_table.json")
+    parser.add_argument("--table-include-lossy", action="store_true",
+                        help="let lossy backends (sageattention) into the written ranking")
+    parser.add_argument("--auto-table-path", type=Path,
+                        default=REPO_ROOT / "omni_kernels" / "attention" / "auto_table.json")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/attention.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+        return 2
+
+    from omni_kernels.attention import get_backend, list_backends
+
+    for name in args.backends:
+        if name not in list_backends():
+            print(f"unknown backend {name!r}; registered: {', '.join(list_backends())}", file=sys.stderr)
+            return 2
+    env = _environment()
+    env.update(dtype=args.dtype, layout=args.layout)
+    device = torch.device("cuda", torch.cuda.current_device())
+    unavailable = {}
+    for name in args.backends:
+        reason = get_backend(name).unavailable_reason(device)
+        if reason is None and get_backend(name).min_capability is not None:
+            if torch.cuda.get_device_capability() < get_backend(name).min_capability:
+                reason = f"needs compute capability >= {get_backend(name).min_capability}"
+        if reason is not None:
+            unavailable[name] = reason
+    for name, reason in unavailable.items():
+        print(f"  {name}: unavailable: {reason}", file=sys.stderr)
+
+    shapes = [SHAPES[s] for s in args.shapes]
+    dtype = DTYPES[args.dtype]
+    started = time.perf_counter()
+    rows = []
+    for shape in shapes:
+        try:
+            rows += _run_shape(shape, dtype, args.layout, args.backends, args, unavailable)
+        except Exception as exc:
+            rows.append(dict(shape=shape.name, backend="all",
+                             status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
+                             traceback=traceback.format_exc()[-3000:]))
+            print(rows[-1]["traceback"], file=sys.stderr)
+        torch.cuda.empty_cache()
+    env["wall_s"] = round(time.perf_counter() - started, 1)
+
+    table_entry = None
+    stem = f"attention_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.write_auto_table:
+        path = args.auto_table_path
+        table = json.loads(path.read_text()) if path.exists() else {"format": 1, "archs": {}}
+        previous = table.setdefault("archs", {}).get(env["arch"])
+        table_entry = _table_entry(env, shapes, rows, args.table_include_lossy, previous)
+        table["archs"][env["arch"]] = table_entry
+        text = json.dumps(table, indent=2) + "\n"
+        path.write_text(text)
+        (args.out_dir / f"auto_table_{stem}.json").write_text(text)
+        print(f"wrote {path} ({env['arch']})", file=sys.stderr)
+
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(
+        dict(environment=env, shapes=[dict(asdict(s), flops=s.flops) for s in shapes],
+             unavailable=unavailable, results=rows, auto_table_entry=table_entry),
+        indent=2, default=str) + "\n")
+    md = _markdown(env, shapes, args.backends, rows, unavailable, table_entry)
+    (args.out_dir / f"{stem}.md").write_text(md + "\n")
+    print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
+    print(md)
+    failed = [r for r in rows if str(r.get("status", "")).startswith("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``omni_triton``: omni's own Triton flash-attention forward.
+
+The kernel is :func:`omni_kernels.attention.triton_flash.flash_attention_forward`,
+called through the ``torch.library`` custom op ``omni_kernels::flash_attention_fwd``
+(:mod:`omni_kernels.attention.ops`) so ``torch.compile`` treats it as one opaque
+node. It reads both layouts through strides (no copy), does GQA, top-left causal
+for any ``Sq``/``Skv``, per-sample ``key_lengths``, and returns the log-sum-exp.
+Forward only. On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``),
+where bfloat16 is broken, so CPU takes float16/float32; on CUDA float16/bfloat16.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from omni_kernels._triton import triton_unavailable_reason
+from omni_kernels.attention.registry import BackendSpec, register_backend
+
+_IMPORT_ERROR: dict[str, str | None] = {}
+
+
+def _import_error() -> str | None:
+    if "error" not in _IMPORT_ERROR:
+        try:
+            importlib.import_module("omni_kernels.attention.triton_flash")
+            _IMPORT_ERROR["error"] = None
+        except Exception as exc:  # ImportError, or triton failing to initialize
+            _IMPORT_ERROR["error"] = (
+                f"omni_kernels.attention.triton_flash failed to import ({type(exc).__name__}: {exc})"
+            )
+    return _IMPORT_ERROR["error"]
+
+
+def _availability(device: torch.device | None) -> str | None:
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        return reason
+    return _import_error()
+
+
+def _input_check(problem, q, k, v, mask) -> str | None:
+    if problem.device.type == "cpu" and problem.dtype == torch.bfloat16:
+        return "cannot take dtype=bfloat16 on CPU: Triton's interpreter mishandles bfloat16"
+    if problem.device.type == "cuda" and problem.dtype == torch.float32:
+        return "cannot take dtype=float32 on CUDA: float16/bfloat16 (float32 only under the interpreter)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            return f"needs a contiguous last dimension in {name}; got strides {tuple(t.stride())}"
+    return None
+
+
+def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
+    from omni_kernels.attention.ops import flash_attention_fwd
+
+    out, lse = flash_attention_fwd(q, k, v, layout, causal, scale, key_lengths)
+    return (out, lse) if return_lse else out
+
+
+SPEC = register_backend(
+    BackendSpec(
+        name="omni_triton",
+        run=_run,
+        description="omni's Triton flash-attention forward (omni_kernels.attention.triton_flash)",
+        devices=("cuda", "cpu"),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_dims=range(16, 257, 16),
+        layouts=("bhsd", "bshd"),
+        causal=True,
+        causal_cross=True,
+        gqa=True,
+        key_lengths=True,
+        key_padding_mask=False,
+        lse=True,
+        backward=False,
+        min_capability=(8, 0),
+        package=None,
+        availability=_availability,
+        input_check=_input_check,
+    )
+)

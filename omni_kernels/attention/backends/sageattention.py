@@ -1,0 +1,73 @@
+"""``sageattention``: SageAttention (package ``sageattention``), INT8 ``Q K^T``. **Lossy.**
+
+Quantizes Q and K to INT8 per block (and, in SageAttention 2, P V to FP8), so
+its output differs from exact attention by more than rounding: it is never
+chosen by ``"auto"`` unless the ranking table lists it for the GPU's
+architecture and the caller allows lossy backends.
+
+``sageattn(q, k, v, tensor_layout="NHD"|"HND", is_causal, sm_scale)`` takes both
+layouts. SageAttention 1.x subtracts the key mean *in place* from the caller's
+``k`` (``smooth_k``), so this backend does the smoothing itself, out of place
+(softmax is unchanged by a per-row constant), and passes ``smooth_k=False``.
+Causal only for ``Sq == Skv``; no key lengths; no log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_kernels.attention.backends._util import cuda_reason, last_dim_contiguous, lazy_import
+from omni_kernels.attention.registry import BackendSpec, register_backend
+
+_TENSOR_LAYOUT = {"bshd": "NHD", "bhsd": "HND"}
+
+
+def _module():
+    return lazy_import("sageattention", "sageattention", "pip install sageattention")
+
+
+def _availability(device):
+    reason = cuda_reason(device)
+    if reason is not None:
+        return reason
+    module, reason = _module()
+    if reason is not None:
+        return reason
+    if not hasattr(module, "sageattn"):
+        return "sageattention has no sageattn (unsupported version)"
+    return None
+
+
+def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
+    module, _ = _module()
+    seq_dim = 1 if layout == "bshd" else 2
+    k = k - k.mean(dim=seq_dim, keepdim=True)  # smooth_k, out of place
+    return module.sageattn(
+        q, k, v, tensor_layout=_TENSOR_LAYOUT[layout], is_causal=causal, sm_scale=scale,
+        smooth_k=False,
+    )
+
+
+SPEC = register_backend(
+    BackendSpec(
+        name="sageattention",
+        run=_run,
+        description="SageAttention (INT8 QK^T, lossy)",
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        head_dims=(64, 128),
+        layouts=("bshd", "bhsd"),
+        causal=True,
+        causal_cross=False,
+        gqa=True,
+        key_lengths=False,
+        key_padding_mask=False,
+        lse=False,
+        backward=False,
+        min_capability=(8, 0),
+        lossy=True,
+        package="sageattention",
+        availability=_availability,
+        input_check=lambda problem, q, k, v, mask: last_dim_contiguous(q, k, v),
+    )
+)
