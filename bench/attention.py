@@ -216,16 +216,18 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
 
 
 def _git_commit() -> str:
+    """HEAD (``-dirty`` when tracked files changed); ``$OMNI_GIT_COMMIT`` where there is no .git."""
+    fallback = os.environ.get("OMNI_GIT_COMMIT", "unknown")
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=10)
         if commit.returncode != 0:
-            return "unknown"
+            return fallback
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return fallback
 
 
 def _versions() -> dict:

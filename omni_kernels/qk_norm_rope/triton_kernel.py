@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Upper bound on the values in one [BLOCK_H, BLOCK_D] register tile: 4096 fp32
-# values over 4-8 warps is 16-32 registers a thread per live tile, which leaves
-# room for the pair tiles, the cos/sin rows and the weights without spilling.
+# Upper bound on the values in one [BLOCK_H, BLOCK_D] register tile. With
+# ~32 values a thread (see _num_warps) that is 4 warps, and the pair tiles,
+# cos/sin rows and weights still fit in registers without spilling.
 _MAX_TILE_ELEMENTS = 4096
 # A head block may leave at most this share of its lanes idle (padding heads
 # past H); above it, a smaller power-of-two block with less padding is used.
@@ -316,6 +316,8 @@ def _num_warps(block_h: int, block_d: int) -> int:
     warps; Wan 40x128 across heads at 16 heads / 2 warps (821 us, 91% of copy);
     SD3.5 38x64 at 8 heads / 1 warp. More warps per program lowered bandwidth:
     the work per token is small, and many small programs keep more loads in flight.
+    With these choices a CUDA-graphed Flux call took 32.8 us (3.6 TB/s) and Wan
+    819 us (3.9 TB/s) in bench/qk_norm_rope.py.
     """
     return max(1, min(8, (block_h * block_d) // 1024))
 

@@ -16,6 +16,7 @@ to write shows up; the reference is always finite.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -262,6 +263,28 @@ def test_auto_backend_on_cpu(inputs):
         auto = qk_rmsnorm_rope(q, k, None, None, cos, sin, backend="auto")
         triton_out = qk_rmsnorm_rope(q, k, None, None, cos, sin, backend="triton")
         assert torch.equal(auto[0], triton_out[0]) and torch.equal(auto[1], triton_out[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "norm_across_heads, expected", [(False, "cuda"), (True, "triton")], ids=["per_head", "across"]
+)
+def test_gpu_auto_follows_the_measured_order(inputs, caplog, norm_across_heads, expected):
+    """``auto`` picks the backend the H200 benchmark ranked first for the norm mode, and logs it."""
+    if expected == "cuda" and not omni_kernels.has_compiled_extension():
+        pytest.skip("omni_kernels._C is not built")
+    import omni_kernels.qk_norm_rope.dispatch as dispatch
+
+    dispatch._logged_auto_choices.clear()
+    q = inputs.activations((1, 9, 4, 128), torch.bfloat16, device="cuda")
+    k = inputs.activations((1, 9, 4, 128), torch.bfloat16, device="cuda")
+    cos, sin = inputs.rope_tables(9, 128, True, device="cuda")
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        qk_rmsnorm_rope(q, k, None, None, cos, sin, norm_across_heads=norm_across_heads)
+        qk_rmsnorm_rope(q, k, None, None, cos, sin, norm_across_heads=norm_across_heads)
+    choices = [r.getMessage() for r in caplog.records if "backend='auto' chose" in r.getMessage()]
+    assert len(choices) == 1, choices  # logged once, not per call
+    assert f"chose '{expected}'" in choices[0]
 
 
 # =========================================================================== CPU: torch backend

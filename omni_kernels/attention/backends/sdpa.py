@@ -161,15 +161,29 @@ def _torch_check(kind, q, k, v, mask, causal) -> str | None:
             check(params, True)
     except Exception:  # the check itself is not available for these inputs: let SDPA decide
         return None
-    said = "; ".join(str(w.message).strip() for w in caught) or "no reason given"
-    return f"cannot take these inputs: torch.backends.cuda.can_use_{kind}_attention says: {said}"
+    said = "; ".join(str(w.message).strip() for w in caught)
+    if not said and q.shape[1] != k.shape[1]:
+        # Retry with K/V heads broadcast to Hq (a view): if that passes, GQA was the reason.
+        group = q.shape[1] // k.shape[1]
+        k2, v2 = (t[:, :, None].expand(t.shape[0], t.shape[1], group, *t.shape[2:]).flatten(1, 2)
+                  for t in (k, v))
+        try:
+            if check(_sdpa_params(q, k2, v2, mask, causal and mask is None, False), False):
+                said = f"no GQA (Hq={q.shape[1]}, Hkv={k.shape[1]}) in torch {torch.__version__}"
+        except Exception:
+            pass
+    if not said:  # torch printed its reason on stderr (C++ warning), not as a Python warning
+        said = "rejected (torch printed the reason on stderr)"
+    return f"cannot take these inputs: torch.backends.cuda.can_use_{kind}_attention: {said}"
 
 
 def _mask_for_check(problem):
+    # Shaped and strided as _bool_mask builds it: the last dim contiguous (fused
+    # kernels reject a stride-0 last dim), the rest broadcast.
     if not (problem.key_lengths or problem.key_padding_mask):
         return None
     rows = problem.seq_q if problem.causal else 1
-    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=problem.device).expand(
+    return torch.ones((1, 1, 1, problem.seq_kv), dtype=torch.bool, device=problem.device).expand(
         problem.batch, 1, rows, problem.seq_kv
     )
 
