@@ -38,10 +38,8 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -49,6 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -215,46 +215,12 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
 # --------------------------------------------------------------------------- reporting
 
 
-def _git_commit() -> str:
-    """HEAD (``-dirty`` when tracked files changed); ``$OMNI_GIT_COMMIT`` where there is no .git."""
-    fallback = os.environ.get("OMNI_GIT_COMMIT", "unknown")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=10)
-        if commit.returncode != 0:
-            return fallback
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return fallback
-
-
-def _versions() -> dict:
-    from omni_kernels.attention.backends._util import package_version
-
-    out = {}
-    for dist in ("triton", "diffusers", "flash-attn", "flash-attn-3", "flashinfer-python",
-                 "sageattention", "xformers"):
-        out[dist] = package_version(dist) or "not installed"
-    return out
+_PEER_DISTRIBUTIONS = ("triton", "diffusers", "flash-attn", "flash-attn-3", "flashinfer-python",
+                       "sageattention", "xformers")
 
 
 def _environment() -> dict:
-    cap = torch.cuda.get_device_capability()
-    return dict(
-        git_commit=_git_commit(),
-        device=torch.cuda.get_device_name(),
-        arch=f"sm{cap[0]}{cap[1]}",
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version(),
-        python=platform.python_version(),
-        packages=_versions(),
-        command=" ".join([sys.executable, *sys.argv]),
-        argv=sys.argv,
-        utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    )
+    return base_environment(_PEER_DISTRIBUTIONS)
 
 
 def _cell(row) -> str:

@@ -45,15 +45,15 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -414,52 +414,11 @@ class _Unavailable(Exception):
 # --------------------------------------------------------------------------- reporting
 
 
-def _git_commit() -> str:
-    # A copy of the tree without .git (a remote GPU machine) can be told the commit.
-    if os.environ.get("OMNI_GIT_COMMIT"):
-        return os.environ["OMNI_GIT_COMMIT"]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
-        if commit.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-            capture_output=True, text=True, timeout=10,
-        )
-        suffix = "-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else ""
-        return commit.stdout.strip() + suffix
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _environment() -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    try:
-        import diffusers
-
-        diffusers_version = diffusers.__version__
-    except Exception:
-        diffusers_version = "not installed"
-    cuda = torch.cuda.is_available()
-    return dict(
-        git_commit=_git_commit(),
-        device=torch.cuda.get_device_name() if cuda else "none",
-        torch=torch.__version__,
-        triton=triton_version,
-        cuda=torch.version.cuda,
-        diffusers=diffusers_version,
-        python=platform.python_version(),
-        command=" ".join([sys.executable, *sys.argv]),
-        argv=sys.argv,
-        utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    )
+    env = base_environment(("triton", "diffusers"))
+    env["triton"] = env["packages"]["triton"]
+    env["diffusers"] = env["packages"]["diffusers"]
+    return env
 
 
 def _markdown(env: dict, shapes, rows) -> str:

@@ -8,7 +8,9 @@
 # (diffusers, say) travel as wheels in .whl/ at the repo root; they are
 # installed into /tmp/site, without their dependencies, and put on PYTHONPATH.
 #
-# Environment: OMNI_GPU_TESTS (test paths, default tests), OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
+# Environment: OMNI_GPU_TESTS (test paths, default tests), OMNI_BENCHES (default
+# "qk_norm_rope attention"), OMNI_GIT_COMMIT (the commit the results name: the copied tree
+# has no .git), OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
 # (default: /usr/local/cuda-13.0 or /usr/local/cuda when they hold nvcc),
 # OUT (benchmark results go to $OUT, else bench/results).
 #
@@ -93,11 +95,14 @@ fi
 bench_rc=skipped
 bench_s=0
 if [ "$mode" != test ]; then
-    echo "== bench: python3 bench/qk_norm_rope.py --out-dir $out_dir"
     mkdir -p "$out_dir"
     start=$(date +%s)
-    python3 bench/qk_norm_rope.py --out-dir "$out_dir"
-    bench_rc=$?
+    bench_rc=0
+    # OMNI_BENCHES picks benchmarks (default: all of them); each records its results in $out_dir.
+    for bench in ${OMNI_BENCHES:-qk_norm_rope attention}; do
+        echo "== bench: python3 bench/$bench.py --out-dir $out_dir"
+        python3 "bench/$bench.py" --out-dir "$out_dir" || bench_rc=$?
+    done
     bench_s=$(( $(date +%s) - start ))
 fi
 

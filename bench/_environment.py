@@ -1,0 +1,66 @@
+"""What every benchmark records beside its numbers: commit, device, versions, command."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    """HEAD (``-dirty`` when tracked files changed), or ``$OMNI_GIT_COMMIT``.
+
+    A copy of the tree without ``.git`` (the GPU machine gets one) is told its commit through
+    the environment variable; an explicit value always wins.
+    """
+    if os.environ.get("OMNI_GIT_COMMIT"):
+        return os.environ["OMNI_GIT_COMMIT"]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        if commit.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            capture_output=True, text=True, timeout=10,
+        )
+        suffix = "-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else ""
+        return commit.stdout.strip() + suffix
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_version(distribution: str) -> str:
+    """The installed version of a distribution, or ``"not installed"``."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def base_environment(packages: tuple[str, ...] = ("triton", "diffusers")) -> dict:
+    """Commit, device, torch/CUDA/cuDNN/Python versions, ``packages``' versions, the command."""
+    cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability() if cuda else None
+    return dict(
+        git_commit=git_commit(),
+        device=torch.cuda.get_device_name() if cuda else "none",
+        arch=f"sm{capability[0]}{capability[1]}" if capability else "cpu",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if cuda else None,
+        python=platform.python_version(),
+        packages={name: package_version(name) for name in packages},
+        command=" ".join([sys.executable, *sys.argv]),
+        argv=sys.argv,
+        utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
