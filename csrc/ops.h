@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <tuple>
 
 #include <torch/all.h>
 
@@ -11,3 +12,11 @@ void qk_rmsnorm_rope(torch::Tensor& q_out, torch::Tensor& k_out, const torch::Te
                      const std::optional<torch::Tensor>& k_weight, const torch::Tensor& cos,
                      const torch::Tensor& sin, double eps, bool interleaved,
                      bool norm_across_heads);
+
+// Per-token quantization to FP8 e4m3 / INT8, optionally after RMSNorm or LayerNorm and adaLN
+// modulation (csrc/quant/). Returns (q [M, K], scale [M, 1] float32).
+std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
+    const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
+    const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
+    const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
+    at::ScalarType out_dtype);

@@ -13,6 +13,13 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, float eps, "
       "bool interleaved, bool norm_across_heads) -> ()");
   ops.impl("qk_rmsnorm_rope", torch::kCUDA, &qk_rmsnorm_rope);
+
+  // Per-token FP8/INT8 quantization, optionally fused with RMSNorm/LayerNorm and adaLN.
+  ops.def(
+      "quantize_per_token(Tensor x, Tensor? norm_weight, Tensor? norm_bias, Tensor? mod_scale, "
+      "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype) "
+      "-> (Tensor, Tensor)");
+  ops.impl("quantize_per_token", torch::kCUDA, &quantize_per_token);
 }
 
 // `import omni_kernels._C` loads this library (and so runs TORCH_LIBRARY above); the module

@@ -1,0 +1,544 @@
+#!/usr/bin/env python3
+"""Benchmark of omni's FP8/INT8 linear layers against bf16 ``nn.Linear``, and a Flux-shaped step.
+
+Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4608 tokens,
+3072->3072, 3072->12288, 12288->3072; Wan2.1-14B at 720p/81 frames: 75600 tokens,
+5120->5120, 5120->13824, 13824->5120), bf16 activations with outlier channels:
+
+* ``bf16``: ``F.linear`` (cuBLAS), the baseline.
+* ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"``, backend ``aten``
+  (per-token activation quantization + ``torch._scaled_mm`` row-wise, fast accumulation);
+  ``omni-fp8-precise`` the same without fast accumulation; ``omni-fp8-triton`` omni's
+  Triton GEMM.
+* ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
+  ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
+* ``omni-{fp8,int8}-wo-{aten,triton}``: weight-only layers.
+* ``torchao-fp8-dynamic``: torchao's ``Float8DynamicActivationFloat8WeightConfig``
+  (per-row), when torchao imports; recorded as unavailable otherwise.
+* ``quant-cuda`` / ``quant-triton``: the activation quantization alone (FP8), and
+  ``gemm-fp8-aten`` the FP8 GEMM alone: where the W8A8 time goes.
+
+Every W8A8 time includes the activation quantization. Times are
+``triton.testing.do_bench`` medians (L2 flushed before each call). ``rel err`` is
+against a float32 GEMM of the unquantized operands on the first 2048 rows.
+
+Part 2, one Flux-shaped transformer step: ``FluxTransformer2DModel`` at its default
+(Flux.1) config, 11.9B random bf16 weights, 1024^2 (4096 image + 512 text tokens);
+bf16 eager, FP8 eager, FP8 with ``torch.compile`` (the repeated blocks compiled,
+``fullgraph=True`` when it traces) and INT8 eager; the embedders, ``norm_out`` and
+``proj_out`` stay bf16. Median of timed steps (CUDA events), relative L2 error of
+each output against the bf16 step, model memory and peak memory of a step.
+
+Output: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
+printed last. The transformer step runs first; ``--budget-s`` (default 210) stops
+optional measurements (the extra linear variants, the INT8 step) and ``--hard-budget-s``
+(default 270) every measurement, so one run stays under 5 minutes on an H200; what was
+skipped is recorded.
+
+    python3 bench/linear.py [--shapes flux wan] [--skip-transformer] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    name: str
+    model: str
+    m: int
+    k: int
+    n: int
+
+
+SHAPES = {
+    "flux": [
+        LinearShape("flux-3072x3072", "Flux.1 1024^2 (attention projections)", 4608, 3072, 3072),
+        LinearShape("flux-3072x12288", "Flux.1 1024^2 (MLP up)", 4608, 3072, 12288),
+        LinearShape("flux-12288x3072", "Flux.1 1024^2 (MLP down)", 4608, 12288, 3072),
+    ],
+    "wan": [
+        LinearShape("wan14b-5120x5120", "Wan2.1-14B 720p 81f (attention projections)", 75600, 5120, 5120),
+        LinearShape("wan14b-5120x13824", "Wan2.1-14B 720p 81f (FFN up)", 75600, 5120, 13824),
+        LinearShape("wan14b-13824x5120", "Wan2.1-14B 720p 81f (FFN down)", 75600, 13824, 5120),
+    ],
+}
+
+# The issue's comparison first (bf16, omni FP8, omni INT8, torchao), then the rows that say where
+# the time goes and which backend "auto" should prefer.
+ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
+VARIANTS = ESSENTIAL + (
+    "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton",
+    "omni-fp8-precise", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
+    "omni-int8-wo-triton",
+)
+# Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
+_WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise"}
+FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
+ERROR_ROWS = 2048
+DEVICE = "cuda"
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class _Budget:
+    """Soft limit: no optional measurement starts after it; hard limit: nothing starts."""
+
+    def __init__(self, soft_s: float, hard_s: float) -> None:
+        self.start = time.monotonic()
+        self.soft_s = soft_s
+        self.hard_s = hard_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def exceeded(self, essential: bool = False) -> bool:
+        return self.elapsed() > (self.hard_s if essential else self.soft_s)
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _activations(m, k, gen):
+    x = torch.randn(m, k, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    channels = torch.randperm(k, device=DEVICE, generator=gen)[:4]
+    x[:, channels] *= 20.0
+    return x
+
+
+def _torchao_layer(linear: nn.Linear) -> nn.Module:
+    try:
+        import torchao.quantization as tq
+    except Exception as exc:  # ImportError, or a wheel built for another torch
+        raise _Unavailable(f"torchao does not import: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+    config_cls = getattr(tq, "Float8DynamicActivationFloat8WeightConfig", None)
+    if config_cls is None:
+        raise _Unavailable("torchao has no Float8DynamicActivationFloat8WeightConfig")
+    wrapper = nn.Sequential(copy.deepcopy(linear))
+    tq.quantize_(wrapper, config_cls(granularity=tq.PerRow()))
+    return wrapper
+
+
+def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
+    from omni_kernels.quant import QuantizedLinear, quantize_per_token, scaled_mm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = _activations(shape.m, shape.k, gen)
+    torch.manual_seed(seed)
+    linear = nn.Linear(shape.k, shape.n, device=DEVICE, dtype=torch.bfloat16).eval()
+    flops = 2.0 * shape.m * shape.k * shape.n
+    with torch.no_grad():
+        ref = x[:ERROR_ROWS].float() @ linear.weight.float().t() + linear.bias.float()
+
+    layers: dict[str, nn.Module] = {}
+
+    def omni(method, backend, **options):
+        key = (method, backend, tuple(sorted(options.items())))
+        if key not in layers:
+            layers[key] = QuantizedLinear.from_linear(linear, method, backend=backend, **options)
+        return layers[key]
+
+    def make(variant):
+        if variant == "bf16":
+            return lambda: F.linear(x, linear.weight, linear.bias), True
+        if variant == "omni-fp8":
+            return omni("fp8", "aten"), True
+        if variant == "omni-fp8-precise":
+            return omni("fp8", "aten", fast_accum=False), True
+        if variant == "omni-fp8-triton":
+            return omni("fp8", "triton"), True
+        if variant == "omni-int8":
+            return omni("int8", "triton"), True
+        if variant == "omni-int8-aten":
+            return omni("int8", "aten"), True
+        if variant.startswith("omni-") and "-wo-" in variant:
+            dtype, backend = variant[len("omni-"):].split("-wo-")
+            return omni(f"{dtype}_weight_only", backend), True
+        if variant == "torchao-fp8-dynamic":
+            return _torchao_layer(linear), True
+        if variant.startswith("quant-"):
+            backend = variant[len("quant-"):]
+            return (lambda: quantize_per_token(x, "fp8", backend=backend)), False
+        if variant == "gemm-fp8-aten":
+            layer = omni("fp8", "aten")
+            x_q, x_scale = quantize_per_token(x, "fp8")
+            return (lambda: scaled_mm(x_q, x_scale, layer.qweight, layer.weight_scale, layer.bias,
+                                      torch.bfloat16, backend="aten")), False
+        raise ValueError(variant)
+
+    rows = []
+    baseline_us = None
+    for variant in variants:
+        row = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, variant=variant)
+        if budget.exceeded(essential=variant in ESSENTIAL):
+            row["status"] = "skipped: time budget"
+            rows.append(row)
+            continue
+        try:
+            fn, is_layer = make(variant)
+            call = (lambda: fn(x)) if isinstance(fn, nn.Module) else fn
+            with torch.no_grad():
+                out = call()  # warm-up: autotuning, compilation
+                torch.cuda.synchronize()
+                if is_layer:
+                    row["rel_err"] = _rel(out[:ERROR_ROWS], ref)
+                del out
+                row["median_us"] = _bench(call)
+            row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
+            row["status"] = "ok"
+            if variant == "bf16":
+                baseline_us = row["median_us"]
+        except _Unavailable as exc:
+            row["status"] = f"unavailable: {exc}"
+        except Exception as exc:
+            row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+            row["traceback"] = traceback.format_exc()[-3000:]
+            print(f"[{shape.name}] {variant} failed:\n{row['traceback']}", file=sys.stderr)
+        rows.append(row)
+        if row.get("status") == "ok":
+            err = f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""
+            print(f"[{shape.name}] {variant}: {row['median_us']:.1f} us{err}", flush=True)
+        else:
+            print(f"[{shape.name}] {variant}: {row['status']}", flush=True)
+    for row in rows:
+        if row.get("status") == "ok" and baseline_us and row.get("tflops") is not None:
+            row["speedup_vs_bf16"] = baseline_us / row["median_us"]
+    layers.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- transformer step
+
+
+def _flux_transformer_cuda():
+    """FluxTransformer2DModel at its default config, random weights, built directly on the GPU."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel()
+    model = model.to_empty(device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):  # nn.Linear's default init range
+                bound = module.in_features ** -0.5
+                module.weight.uniform_(-bound, bound, generator=gen)
+                if module.bias is not None:
+                    module.bias.uniform_(-bound, bound, generator=gen)
+        for name, param in model.named_parameters():
+            if not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear):
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+    return model.to(torch.bfloat16).eval()
+
+
+def _flux_inputs(height=64, width=64, text=512, seed=1):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    rows = torch.arange(height, device=DEVICE).repeat_interleave(width)
+    cols = torch.arange(width, device=DEVICE).repeat(height)
+    return dict(
+        hidden_states=torch.randn(1, height * width, 64, device=DEVICE, generator=gen, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, text, 4096, device=DEVICE, generator=gen, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(1, 768, device=DEVICE, generator=gen, dtype=torch.bfloat16),
+        timestep=torch.tensor([0.5], device=DEVICE, dtype=torch.bfloat16),
+        img_ids=torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float(),
+        txt_ids=torch.zeros(text, 3, device=DEVICE),
+        return_dict=False,
+    )
+
+
+def _time_steps(model, inputs, steps: int) -> tuple[float, float, torch.Tensor]:
+    """``(median ms, peak GiB during a step, output)``."""
+    with torch.no_grad():
+        out = model(**inputs)[0]
+        out = model(**inputs)[0]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = model(**inputs)[0]
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    times.sort()
+    return times[len(times) // 2], peak, out
+
+
+def _compile_and_warm(model, inputs) -> str:
+    """Compile the repeated blocks (regional compilation: one compile per block class) and run
+    one step, which is when compilation happens. ``fullgraph=True`` first; if that fails to
+    trace, the error is recorded and the blocks are compiled again without it."""
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    try:
+        compile_repeated = getattr(model, "compile_repeated_blocks", None)
+        if compile_repeated is not None:
+            compile_repeated(fullgraph=True)
+        else:
+            for block in blocks:
+                block.compile(fullgraph=True)
+        with torch.no_grad():
+            model(**inputs)
+        torch.cuda.synchronize()
+        return "regional torch.compile, fullgraph=True"
+    except Exception as exc:  # noqa: BLE001 - recorded in the results
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        print(f"[flux step] fullgraph compile failed, compiling without it: {reason}", file=sys.stderr)
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile()
+        with torch.no_grad():
+            model(**inputs)
+        torch.cuda.synchronize()
+        return f"regional torch.compile, fullgraph=False (fullgraph=True failed: {reason})"
+
+
+def _model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what it holds on the GPU)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _run_transformer(budget: _Budget, steps: int, variants):
+    from omni_diffusion.quantization import QuantConfig, quantize
+
+    rows = []
+    torch.cuda.empty_cache()
+    model = _flux_transformer_cuda()
+    inputs = _flux_inputs()
+    bf16_bytes = _model_bytes(model)
+    ms, peak, ref = _time_steps(model, inputs, steps)
+    ref = ref.float()
+    rows.append(dict(variant="bf16-eager", status="ok", step_ms=ms, peak_gib=peak,
+                     model_gib=bf16_bytes / 2**30))
+    print(f"[flux step] bf16 eager: {ms:.1f} ms, model {bf16_bytes / 2**30:.2f} GiB, peak {peak:.1f} GiB",
+          flush=True)
+    bf16_ms = ms
+
+    for method in ("fp8", "int8"):
+        wanted = [v for v in variants if v.startswith(method)]
+        if not wanted:
+            continue
+        if budget.exceeded(essential=True):
+            rows += [dict(variant=v, status="skipped: time budget") for v in wanted]
+            continue
+        try:
+            if model is None:  # the same random weights again (seeded), for the next method
+                model = _flux_transformer_cuda()
+            quantize(model, QuantConfig(method=method, skip=FLUX_SKIP))
+            gc.collect()
+            torch.cuda.empty_cache()
+            quant_bytes = _model_bytes(model)
+        except Exception as exc:
+            rows += [dict(variant=v, status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400])
+                     for v in wanted]
+            model = None
+            continue
+        for variant in wanted:
+            row = dict(variant=variant)
+            if budget.exceeded(essential=variant != "int8-eager"):
+                row["status"] = "skipped: time budget"
+                rows.append(row)
+                continue
+            try:
+                if variant.endswith("compiled"):
+                    start = time.monotonic()
+                    row["compile"] = _compile_and_warm(model, inputs)
+                    row["compile_s"] = time.monotonic() - start
+                ms, peak, out = _time_steps(model, inputs, steps)
+                row.update(status="ok", step_ms=ms, peak_gib=peak, model_gib=quant_bytes / 2**30,
+                           memory_vs_bf16=quant_bytes / bf16_bytes, speedup_vs_bf16_eager=bf16_ms / ms,
+                           rel_err_vs_bf16=_rel(out.float(), ref))
+                print(f"[flux step] {variant}: {ms:.1f} ms ({bf16_ms / ms:.2f}x), rel err "
+                      f"{row['rel_err_vs_bf16']:.4f}, model {quant_bytes / 2**30:.2f} GiB "
+                      f"({row['memory_vs_bf16']:.1%} of bf16), peak {peak:.1f} GiB", flush=True)
+            except Exception as exc:
+                row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+                row["traceback"] = traceback.format_exc()[-3000:]
+                print(f"[flux step] {variant} failed:\n{row['traceback']}", file=sys.stderr)
+            rows.append(row)
+        model = None
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _markdown(env, linear_rows, step_rows) -> str:
+    lines = [
+        "# FP8 / INT8 linear layers",
+        "",
+        f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton "
+        f"{env['packages'].get('triton')}, diffusers {env['packages'].get('diffusers')}, torchao "
+        f"{env['packages'].get('torchao')}",
+        f"- git commit: {env['git_commit']}; {env['utc']}",
+        f"- command: `{env['command']}`",
+        "- median us: triton.testing.do_bench median (L2 flushed); W8A8 times include the per-token "
+        "activation quantization; rel err vs a float32 GEMM of the unquantized operands "
+        f"(first {ERROR_ROWS} rows); bf16 activations with 4 outlier channels (x20).",
+        "",
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in linear_rows):
+        first = next(r for r in linear_rows if r["shape"] == shape)
+        lines += [
+            f"## {shape}: {first['model']}, M={first['m']}, K={first['k']}, N={first['n']}",
+            "",
+            "| variant | median us | TFLOP/s | speedup vs bf16 | rel err | status |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in linear_rows:
+            if r["shape"] != shape:
+                continue
+            if r.get("status") == "ok":
+                tflops = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
+                speed = f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-"
+                err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
+                lines.append(f"| {r['variant']} | {r['median_us']:.1f} | {tflops} | {speed} | {err} | ok |")
+            else:
+                lines.append(f"| {r['variant']} | - | - | - | - | {str(r.get('status')).replace('|', '/')} |")
+        lines.append("")
+    if step_rows:
+        lines += [
+            "## Flux-shaped transformer step (Flux.1 config, 11.9B random bf16 weights, 1024^2: "
+            "4096 image + 512 text tokens)",
+            "",
+            f"Kept in bf16: {', '.join(FLUX_SKIP)}. Median step time (CUDA events).",
+            "",
+            "| variant | step ms | speedup vs bf16 eager | rel err vs bf16 | model GiB | memory vs bf16 "
+            "| peak GiB | status |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in step_rows:
+            if r.get("status") == "ok":
+                speed = f"{r['speedup_vs_bf16_eager']:.2f}x" if "speedup_vs_bf16_eager" in r else "1.00x"
+                err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else "-"
+                mem = f"{r['memory_vs_bf16']:.1%}" if "memory_vs_bf16" in r else "100%"
+                status = "ok" + (f" ({r['compile']}, {r['compile_s']:.0f} s)" if "compile" in r else "")
+                lines.append(
+                    f"| {r['variant']} | {r['step_ms']:.1f} | {speed} | {err} | {r['model_gib']:.2f} | "
+                    f"{mem} | {r['peak_gib']:.1f} | {status.replace('|', '/')} |"
+                )
+            else:
+                lines.append(f"| {r['variant']} | - | - | - | - | - | - | {str(r.get('status')).replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
+
+
+STEP_VARIANTS = ("fp8-eager", "fp8-compiled", "int8-eager")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="linear-layer variants (bf16 is the baseline and always runs first)")
+    parser.add_argument("--step-variants", nargs="+", choices=STEP_VARIANTS, default=list(STEP_VARIANTS))
+    parser.add_argument("--skip-transformer", action="store_true", help="linear layers only")
+    parser.add_argument("--steps", type=int, default=5, help="timed transformer steps per variant")
+    parser.add_argument("--budget-s", type=float, default=210.0,
+                        help="start no optional measurement after this many seconds")
+    parser.add_argument("--hard-budget-s", type=float, default=270.0,
+                        help="start no measurement at all after this many seconds")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/linear.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+        return 2
+    budget = _Budget(args.budget_s, args.hard_budget_s)
+    env = base_environment(("triton", "diffusers", "torchao"))
+    capability = torch.cuda.get_device_capability()
+    variants = ["bf16"] + [v for v in args.variants if v != "bf16"]
+    if capability < (8, 9):
+        print(f"note: capability {capability} has no FP8; FP8 variants will report why", file=sys.stderr)
+
+    step_rows = []
+    if not args.skip_transformer:
+        try:
+            step_rows = _run_transformer(budget, args.steps, list(args.step_variants))
+        except Exception as exc:
+            step_rows = [dict(variant="all", status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
+                              traceback=traceback.format_exc()[-3000:])]
+            print(step_rows[0]["traceback"], file=sys.stderr)
+    linear_rows = []
+    for group in args.shapes:
+        for shape in SHAPES[group]:
+            chosen = [v for v in variants if not (group == "wan" and v in _WAN_SKIPS)]
+            try:
+                linear_rows += _run_linear_shape(shape, chosen, args.seed, budget)
+            except Exception as exc:  # inputs did not fit, say: record and go on
+                linear_rows.append(dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k,
+                                        n=shape.n, variant="all",
+                                        status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]))
+                print(traceback.format_exc(), file=sys.stderr)
+                torch.cuda.empty_cache()
+
+    env["elapsed_s"] = budget.elapsed()
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"linear_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps(dict(environment=env, linear=linear_rows, transformer_step=step_rows), indent=2,
+                   default=str) + "\n"
+    )
+    table = _markdown(env, linear_rows, step_rows)
+    (args.out_dir / f"{stem}.md").write_text(table + "\n")
+    print(f"wrote {args.out_dir / stem}.json and .md ({budget.elapsed():.0f} s)", file=sys.stderr)
+    print(table)
+    ok = all(
+        r.get("status") == "ok" or str(r.get("status", "")).startswith(("unavailable", "skipped"))
+        for r in linear_rows + step_rows
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+#!/usr/bin/env python3
+"""Per-step time of full-size diffusion transformers under omni's acceleration stacks (one GPU).
+
+Models (random bf16 weights at full width, built on the GPU; only the
+transformer: no text encoders, no VAE; synthetic inputs of the real shapes):
+
+* ``flux``: FLUX.1-dev-shaped ``FluxTransformer2DModel`` (19 + 38 blocks, 24 x 128
+  heads) at 1024x1024: 4096 image tokens + 512 text tokens, guidance embedded,
+  one transformer forward per denoising step.
+* ``wan``: Wan2.1-T2V-14B-shaped ``WanTransformer3DModel`` (40 blocks, 40 x 128
+  heads) at 480x832, 81 frames: latents ``[1, 16, 21, 60, 104]`` (32,760 tokens),
+  512 text tokens; classifier-free guidance makes a step two forwards.
+
+Modules diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's
+time embedder, norms, modulation tables) are float32 here too.
+
+Variants (each applied to the same model and undone before the next):
+
+(a) ``eager``: diffusers as it is (its native SDPA attention), eager.
+(b) ``diffusers_compile``: ``transformer.compile_repeated_blocks(fullgraph=True)`` (inductor).
+(c) ``omni_lossless``: ``omni_diffusion.accelerate(AccelConfig(attention="auto", compile=True))``:
+    omni's attention registry (its per-GPU auto choice) + regional compile.
+(d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization).
+(e) ``omni_fp8_sage``: (d) with quantized attention (``attention="sageattention"``,
+    lossy); skipped, with the reason, when SageAttention cannot run here.
+
+Per variant: the first call (includes compilation) in seconds, then the median
+(and min) forward time over ``--iters`` calls after ``--warmup`` calls (CUDA
+events), the step time (forward x forwards per step), the speedup over (a),
+the relative error ``||out - out_a|| / ||out_a||`` of the forward output
+against (a) on the same inputs, and the peak GPU memory. Random weights say
+nothing about image quality: caching is not measured here (it is judged on a
+trained model).
+
+Targets (issue 6): Flux step <= 90 ms for (d) (vanilla eager 171 ms, compiled
+134 ms on the H200 per shared/ANCHORS.md); Wan step >= 1.5x (a) for (e).
+
+Output: ``<out-dir>/pipeline_<device>_<YYYYMMDD>.json`` and ``.md`` (``pipeline-<models>_...``
+when only some models run) with the commit, device, versions and the command;
+the markdown is printed last. ``$OMNI_PIPELINE_MODELS`` (e.g. ``flux``) sets the
+default of ``--models``, so ``scripts/device_gpu.sh`` can run one model per call.
+
+    python3 bench/pipeline.py [--models flux wan] [--variants eager omni_fp8 ...] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+
+VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8", "omni_fp8_sage")
+VARIANT_LABELS = {
+    "eager": "(a) diffusers eager",
+    "diffusers_compile": "(b) diffusers compile_repeated_blocks",
+    "omni_lossless": "(c) omni attention + regional compile",
+    "omni_fp8": "(d) (c) + FP8 linears",
+    "omni_fp8_sage": "(e) (d) + SageAttention",
+}
+
+
+class Skip(Exception):
+    """A variant that cannot run here; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    key: str
+    name: str
+    description: str
+    cls_name: str
+    config: dict
+    forwards_per_step: int
+    warmup: int
+    iters: int
+    #: attention problem the transformer runs: (batch, heads, seq_q, seq_kv, head_dim)
+    attention: tuple[int, int, int, int, int]
+    #: input sizes: flux: side (packed latent side), text; wan: frames, height, width (latent), text
+    sizes: dict = dataclasses.field(default_factory=dict)
+
+
+MODELS = {
+    "flux": ModelSpec(
+        key="flux",
+        name="flux1-dev-1024",
+        description="FLUX.1-dev shape, 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, "
+                    "19 + 38 blocks, guidance-distilled (1 forward / step)",
+        cls_name="FluxTransformer2DModel",
+        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        forwards_per_step=1, warmup=3, iters=10,
+        attention=(1, 24, 4608, 4608, 128),
+        sizes=dict(side=64, text=512),  # 1024 px / 8 (VAE) / 2 (2x2 packing)
+    ),
+    "wan": ModelSpec(
+        key="wan",
+        name="wan2.1-14b-480p-81f",
+        description="Wan2.1-T2V-14B shape, 480x832, 81 frames: 32,760 video tokens, 40 heads x 128, "
+                    "40 blocks, 512 text tokens, CFG (2 forwards / step)",
+        cls_name="WanTransformer3DModel",
+        config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+                    in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+                    num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                    rope_max_seq_len=1024),
+        forwards_per_step=2, warmup=1, iters=3,
+        attention=(1, 40, 32760, 32760, 128),
+        sizes=dict(frames=21, height=60, width=104, text=512),
+    ),
+}
+
+#: ``--smoke``: the same classes a few channels wide, on CPU, to check the script itself
+SMOKE_MODELS = {
+    "flux": dataclasses.replace(
+        MODELS["flux"], name="flux-smoke", description="tiny Flux-shaped transformer (smoke test)",
+        config=dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                    pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+        warmup=1, iters=2, attention=(1, 2, 24, 24, 16), sizes=dict(side=4, text=8),
+    ),
+    "wan": dataclasses.replace(
+        MODELS["wan"], name="wan-smoke", description="tiny Wan-shaped transformer (smoke test)",
+        config=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                    in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                    num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                    eps=1e-6, rope_max_seq_len=32),
+        warmup=1, iters=2, attention=(1, 2, 8, 8, 16), sizes=dict(frames=2, height=4, width=4, text=8),
+    ),
+}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_transformer(spec: ModelSpec, device: torch.device, dtype: torch.dtype):
+    import diffusers
+
+    cls = getattr(diffusers, spec.cls_name)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(**spec.config)
+    finally:
+        torch.set_default_dtype(previous)
+    keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    if keep:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if any(part in keep for part in name.split(".")) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    return model.eval().requires_grad_(False)
+
+
+def make_inputs(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    config, sizes = spec.config, spec.sizes
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    if spec.cls_name == "FluxTransformer2DModel":
+        side, text = sizes["side"], sizes["text"]
+        rows = torch.arange(side, device=device).repeat_interleave(side)
+        cols = torch.arange(side, device=device).repeat(side)
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).to(dtype)
+        return dict(
+            hidden_states=randn(1, side * side, config["in_channels"]),
+            encoder_hidden_states=randn(1, text, config["joint_attention_dim"]),
+            pooled_projections=randn(1, config["pooled_projection_dim"]),
+            timestep=torch.tensor([0.75], device=device, dtype=dtype),
+            guidance=torch.tensor([3.5], device=device, dtype=dtype),
+            img_ids=img_ids,
+            txt_ids=torch.zeros(text, 3, device=device, dtype=dtype),
+            return_dict=False,
+        )
+    if spec.cls_name == "WanTransformer3DModel":
+        return dict(
+            hidden_states=randn(1, config["in_channels"], sizes["frames"], sizes["height"], sizes["width"]),
+            timestep=torch.tensor([750.0], device=device, dtype=torch.float32),
+            encoder_hidden_states=randn(1, sizes["text"], config["text_dim"]),
+            return_dict=False,
+        )
+    raise ValueError(spec.cls_name)
+
+
+# --------------------------------------------------------------------------- variants
+
+
+def _omni_config(**fields):
+    from omni_diffusion import AccelConfig
+
+    return AccelConfig(**fields)
+
+
+def _check_fp8(device: torch.device) -> None:
+    try:
+        import omni_diffusion.quantization  # noqa: F401
+        from omni_kernels.quant import fp8_unsupported_reason
+    except ImportError as exc:
+        raise Skip(f"omni_diffusion.quantization is not available: {exc}") from exc
+    reason = fp8_unsupported_reason(device)
+    if reason:
+        raise Skip(f"FP8 linears cannot run here: {reason}")
+
+
+def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[], None]:
+    """Apply ``variant`` to ``model``; returns its undo. Raises :class:`Skip`."""
+    import omni_diffusion as od
+
+    if variant == "eager":
+        return lambda: None
+    if variant == "diffusers_compile":
+        targets = [m for m in model.modules() if type(m).__name__ in (model._repeated_blocks or ())]
+        model.compile_repeated_blocks(fullgraph=True, backend=args.compile_backend)
+
+        def undo() -> None:
+            for module in targets:
+                module._compiled_call_impl = None
+
+        return undo
+    common: dict[str, Any] = dict(compile=True, compile_backend=args.compile_backend)
+    quant = dict(quant="fp8")
+    if device.type == "cpu":  # smoke test: torch's CPU ops, not Triton's interpreter
+        quant["quant_options"] = {"activation_backend": "torch"}
+    if variant == "omni_lossless":
+        config = _omni_config(attention="auto", **common)
+    elif variant == "omni_fp8":
+        _check_fp8(device)
+        config = _omni_config(attention="auto", **quant, **common)
+    elif variant == "omni_fp8_sage":
+        _check_fp8(device)
+        from omni_kernels.attention import get_backend
+
+        reason = get_backend("sageattention").unavailable_reason(device)
+        if reason is not None:
+            raise Skip(f"sageattention: {reason}")
+        config = _omni_config(attention="sageattention", **quant, **common)
+    else:
+        raise ValueError(variant)
+    od.accelerate(model, config)
+    return lambda: od.undo(model)
+
+
+def auto_attention_choice(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> dict:
+    """Which backend omni's "auto" takes for the model's attention (diffusers' bshd layout)."""
+    from omni_kernels.attention import select_backend
+
+    b, h, sq, skv, d = spec.attention
+    q = torch.empty(b, sq, h, d, device=device, dtype=dtype)
+    k = torch.empty(b, skv, h, d, device=device, dtype=dtype)
+    name, reason = select_backend(q, k, k, layout="bshd")
+    return dict(backend=name, reason=reason)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _forward(model, inputs):
+    with torch.inference_mode():
+        out = model(**inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variant(model, inputs, warmup: int, iters: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+    _sync(device)
+    start = time.perf_counter()
+    out = _forward(model, inputs)
+    _sync(device)
+    first_s = time.perf_counter() - start
+    for _ in range(warmup):
+        _forward(model, inputs)
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            _forward(model, inputs)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            begin_s = time.perf_counter()
+            _forward(model, inputs)
+            times.append((time.perf_counter() - begin_s) * 1e3)
+    return dict(first_call_s=round(first_s, 2), forward_ms=statistics.median(times),
+                forward_min_ms=min(times), forward_all_ms=[round(t, 3) for t in times]), out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_model(spec: ModelSpec, variants: list[str], device, dtype, args) -> tuple[list[dict], dict]:
+    warmup = args.warmup if args.warmup is not None else spec.warmup
+    iters = args.iters if args.iters is not None else spec.iters
+    started = time.perf_counter()
+    model = build_transformer(spec, device, dtype)
+    inputs = make_inputs(spec, device, dtype)
+    info = dict(
+        model=spec.name, description=spec.description, transformer=spec.cls_name,
+        params_billion=round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        build_s=round(time.perf_counter() - started, 1), warmup=warmup, iters=iters,
+        forwards_per_step=spec.forwards_per_step,
+    )
+    try:
+        info["auto_attention"] = auto_attention_choice(spec, device, dtype)
+    except Exception as exc:  # noqa: BLE001
+        info["auto_attention"] = dict(backend=None, reason=f"{type(exc).__name__}: {exc}")
+    print(f"== {spec.name}: {info['params_billion']}B params, built in {info['build_s']} s; "
+          f"omni auto attention -> {info['auto_attention']}", file=sys.stderr)
+    rows = []
+    reference = None
+    eager_ms = None
+    for variant in variants:
+        row: dict[str, Any] = dict(model=spec.name, variant=variant, label=VARIANT_LABELS[variant])
+        undo = None
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            apply_started = time.perf_counter()
+            undo = apply_variant(variant, model, device, args)
+            row["apply_s"] = round(time.perf_counter() - apply_started, 2)
+            timing, out = time_variant(model, inputs, warmup, iters, device)
+            row.update(timing)
+            row["step_ms"] = row["forward_ms"] * spec.forwards_per_step
+            if device.type == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if variant == "eager":
+                reference = out.detach().clone()
+                eager_ms = row["forward_ms"]
+                row["rel_err"] = 0.0
+            elif reference is not None:
+                row["rel_err"] = relative_error(out, reference)
+            if eager_ms is not None:
+                row["speedup"] = eager_ms / row["forward_ms"]
+            row["status"] = "ok"
+            print(f"  {variant}: {row['forward_ms']:.1f} ms/forward, step {row['step_ms']:.1f} ms, "
+                  f"first call {row['first_call_s']} s, rel err {row.get('rel_err')}", file=sys.stderr)
+        except Skip as exc:
+            row["status"] = f"skipped: {exc}"
+            print(f"  {variant}: {row['status']}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - record and go on with the next variant
+            row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+            row["traceback"] = traceback.format_exc()[-3000:]
+            print(row["traceback"], file=sys.stderr)
+        finally:
+            if undo is not None:
+                try:
+                    undo()
+                except Exception as exc:  # noqa: BLE001
+                    row["undo_error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    del model, inputs, reference
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, info
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(value, digits=1, suffix=""):
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def targets(rows: list[dict]) -> list[str]:
+    lines = []
+    by = {(r["model"], r["variant"]): r for r in rows}
+    flux_d = by.get((MODELS["flux"].name, "omni_fp8"))
+    if flux_d is not None:
+        if flux_d.get("status") == "ok":
+            ok = flux_d["step_ms"] <= 90.0
+            lines.append(f"Flux (d) step {flux_d['step_ms']:.1f} ms vs target <= 90 ms: "
+                         f"{'MET' if ok else 'NOT MET'}")
+        else:
+            lines.append(f"Flux (d): {flux_d.get('status')}")
+    wan_e = by.get((MODELS["wan"].name, "omni_fp8_sage"))
+    if wan_e is not None:
+        if wan_e.get("status") == "ok" and wan_e.get("speedup") is not None:
+            ok = wan_e["speedup"] >= 1.5
+            lines.append(f"Wan (e) speedup {wan_e['speedup']:.2f}x vs target >= 1.5x: "
+                         f"{'MET' if ok else 'NOT MET'}")
+        else:
+            lines.append(f"Wan (e): {wan_e.get('status')}")
+    return lines
+
+
+def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
+    lines = [
+        f"# Diffusion transformer step time: {env['device']} ({env['arch']})",
+        "",
+        f"commit {env['git_commit']}, torch {env['torch']} (CUDA {env['cuda']}), "
+        + ", ".join(f"{k} {v}" for k, v in env["packages"].items())
+        + f", {env['utc']}; random {env['dtype']} weights, transformer forward only.",
+        f"command: `{env['command']}`",
+        "",
+    ]
+    for info in infos:
+        auto = info.get("auto_attention") or {}
+        lines.append(f"- **{info['model']}**: {info['description']}; {info['params_billion']}B params; "
+                     f"warmup {info['warmup']}, {info['iters']} timed forwards; omni auto attention: "
+                     f"{auto.get('backend') or auto.get('reason')}")
+    lines += [
+        "",
+        "| model | variant | forward ms (median) | step ms | speedup vs (a) | first call s "
+        "| rel err vs (a) | peak GiB | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['label']} | {_fmt(r.get('forward_ms'))} | {_fmt(r.get('step_ms'))} "
+            f"| {_fmt(r.get('speedup'), 2, 'x')} | {_fmt(r.get('first_call_s'), 1)} "
+            f"| {'-' if r.get('rel_err') is None else format(r['rel_err'], '.2e')} "
+            f"| {_fmt(r.get('peak_gib'), 1)} | {r.get('status')} |"
+        )
+    target_lines = targets(rows)
+    if target_lines:
+        lines += ["", "Targets (issue 6):", *[f"- {t}" for t in target_lines]]
+    return "\n".join(lines)
+
+
+def _device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    default_models = os.environ.get("OMNI_PIPELINE_MODELS", "flux wan").split()
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=default_models)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls (default per model)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls (default per model)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="weights and activations (default bfloat16; float32 with --smoke)")
+    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--out-dir", type=Path, default=default_out)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny models on CPU, float32, compile backend 'eager': checks the script")
+    args = parser.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "float32" if args.smoke else "bfloat16"
+    if args.smoke:
+        if args.compile_backend == "inductor":
+            args.compile_backend = "eager"
+    for name in args.models:
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r}; one of {', '.join(MODELS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench/pipeline.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    if not args.smoke and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+        return 2
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as exc:
+        print(f"bench/pipeline.py needs diffusers (carry its wheel in .whl/): {exc}", file=sys.stderr)
+        return 2
+    # "eager" is the reference of every other row: always run it first.
+    variants = ["eager"] + [v for v in args.variants if v != "eager"]
+    env = base_environment(("triton", "diffusers", "sageattention", "cache-dit"))
+    dtype = getattr(torch, args.dtype)
+    env.update(dtype=args.dtype, compile_backend=args.compile_backend)
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    specs = SMOKE_MODELS if args.smoke else MODELS
+    env.update(smoke=args.smoke)
+    started = time.perf_counter()
+    rows: list[dict] = []
+    infos: list[dict] = []
+    for key in args.models:
+        try:
+            model_rows, info = run_model(specs[key], variants, device, dtype, args)
+            rows += model_rows
+            infos.append(info)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(model=specs[key].name, variant="all", label="all",
+                             status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
+                             traceback=traceback.format_exc()[-3000:]))
+            print(rows[-1]["traceback"], file=sys.stderr)
+    env["wall_s"] = round(time.perf_counter() - started, 1)
+
+    subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
+    if args.smoke:
+        subset += "-smoke"
+    stem = f"pipeline{subset}_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(
+        dict(environment=env, models=infos, results=rows, targets=targets(rows)),
+        indent=2, default=str) + "\n")
+    md = markdown(env, infos, rows)
+    (args.out_dir / f"{stem}.md").write_text(md + "\n")
+    print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
+    print(md)
+    failed = [r for r in rows if str(r.get("status", "")).startswith("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+// Host side of the per-token quantization op: argument checks and launch.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../ops.h"
+#include "quant_params.h"
+
+namespace {
+
+using omni::quant::kMaxRowElements;
+using omni::quant::kMaxThreads;
+using omni::quant::kMaxVectorsPerThread;
+using omni::quant::kVectorElements;
+
+bool is_aligned(const torch::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// A [numel]-element vector or [groups, K] table of x's dtype or float32, on x's device.
+const void* checked_operand(const std::optional<torch::Tensor>& operand, const char* name,
+                            const torch::Tensor& x, int64_t cols, bool table, bool* is_fp32) {
+  *is_fp32 = false;
+  if (!operand.has_value()) return nullptr;
+  const torch::Tensor& t = *operand;
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "quantize_per_token: ", name,
+              " must be on ", x.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == torch::kFloat32,
+              "quantize_per_token: ", name, " must be ", x.scalar_type(), " or float32; got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && is_aligned(t), "quantize_per_token: ", name,
+              " must be contiguous and 16-byte aligned");
+  if (table) {
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.size(0) > 0 && x.size(0) % t.size(0) == 0,
+                "quantize_per_token: ", name, " must be [G, ", cols, "] with G dividing ",
+                x.size(0), "; got ", t.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == cols, "quantize_per_token: ", name,
+                " must be 1-D with ", cols, " elements; got ", t.sizes());
+  }
+  *is_fp32 = t.scalar_type() == torch::kFloat32;
+  return t.data_ptr();
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
+    const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
+    const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
+    const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
+    at::ScalarType out_dtype) {
+  TORCH_CHECK(x.is_cuda(), "quantize_per_token: x must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == 2, "quantize_per_token: x must be 2-D [M, K]; got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kHalf || dtype == torch::kBFloat16,
+              "quantize_per_token: x must be float16 or bfloat16; got ", dtype);
+  TORCH_CHECK(out_dtype == at::ScalarType::Float8_e4m3fn || out_dtype == at::ScalarType::Char,
+              "quantize_per_token: out_dtype must be float8_e4m3fn or int8; got ", out_dtype);
+  TORCH_CHECK(norm >= 0 && norm <= 2, "quantize_per_token: norm must be 0 (none), 1 (RMS) or 2 "
+              "(LayerNorm); got ", norm);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(cols % kVectorElements == 0 && cols <= kMaxRowElements,
+              "quantize_per_token: K must be a multiple of ", kVectorElements, " and at most ",
+              kMaxRowElements, "; got ", cols);
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % kVectorElements == 0 && is_aligned(x),
+              "quantize_per_token: x rows must be contiguous and 16-byte aligned (stride(0) a "
+              "multiple of ", kVectorElements, "); got strides ", x.strides());
+
+  omni::quant::Params params{};
+  params.norm_weight =
+      checked_operand(norm_weight, "norm_weight", x, cols, false, &params.norm_weight_fp32);
+  params.norm_bias = checked_operand(norm_bias, "norm_bias", x, cols, false, &params.norm_bias_fp32);
+  params.mod_scale = checked_operand(mod_scale, "mod_scale", x, cols, true, &params.mod_scale_fp32);
+  params.mod_shift = checked_operand(mod_shift, "mod_shift", x, cols, true, &params.mod_shift_fp32);
+  int64_t groups = 1;
+  if (mod_scale.has_value()) groups = mod_scale->size(0);
+  if (mod_shift.has_value()) {
+    TORCH_CHECK(!mod_scale.has_value() || mod_shift->size(0) == groups,
+                "quantize_per_token: mod_scale and mod_shift must have the same rows");
+    groups = mod_shift->size(0);
+  }
+
+  auto q = torch::empty({rows, cols}, x.options().dtype(out_dtype));
+  auto scale = torch::empty({rows, 1}, x.options().dtype(torch::kFloat32));
+  if (rows == 0) return {q, scale};
+  TORCH_CHECK(cols > 0, "quantize_per_token: K must be positive");
+
+  params.x = x.data_ptr();
+  params.q = q.data_ptr();
+  params.scale = scale.data_ptr<float>();
+  params.x_row_stride = x.stride(0);
+  params.rows_per_group = rows / groups;
+  params.row_vectors = static_cast<int>(cols / kVectorElements);
+  params.cols = static_cast<int>(cols);
+  params.eps = static_cast<float>(eps);
+  params.clamp = static_cast<float>(clamp);
+
+  // The fewest vectors a thread (1, 2, 4, 8) that keep the block at kMaxThreads or fewer.
+  int vectors_per_thread = 1;
+  while (vectors_per_thread < kMaxVectorsPerThread &&
+         (params.row_vectors + vectors_per_thread - 1) / vectors_per_thread > kMaxThreads) {
+    vectors_per_thread *= 2;
+  }
+  const int needed = (params.row_vectors + vectors_per_thread - 1) / vectors_per_thread;
+  const int threads = std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE *
+                                                   OMNI_WARP_SIZE);
+
+  const auto norm_kind = static_cast<omni::quant::NormKind>(norm);
+  const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
+                                                          : omni::quant::OutKind::kFp8E4m3;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (dtype == torch::kBFloat16) {
+    omni::quant::launch_quantize_per_token<__nv_bfloat16>(params, rows, norm_kind, out_kind,
+                                                          vectors_per_thread, threads, stream);
+  } else {
+    omni::quant::launch_quantize_per_token<__half>(params, rows, norm_kind, out_kind,
+                                                   vectors_per_thread, threads, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scale};
+}

@@ -1,0 +1,283 @@
+// Per-token (per-row) quantization to FP8 e4m3 or INT8, optionally fused with the RMSNorm or
+// LayerNorm and the adaLN modulation before it: the kernel template and its launcher.
+//
+// The operation is defined in omni_kernels/quant/reference.py. One thread block per row; each
+// thread owns kVecs 16-byte vectors (8 fp16/bf16 values each, vector i of thread t is row
+// vector t + i * blockDim.x, so a warp's loads are contiguous). The whole row stays in
+// registers between the passes: LayerNorm's mean and variance (two-pass, exact), the absolute
+// maximum and the quantized values all come from one read of x. Reductions go through warp
+// shuffles and one shared-memory exchange. Everything is float32; q is written as 8-byte
+// vectors (8 fp8/int8 values), the row's scale by thread 0.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "../cuda_compat.h"
+#include "quant_params.h"
+
+namespace omni {
+namespace quant {
+
+template <typename T>
+struct Packed2;
+template <>
+struct Packed2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+};
+template <>
+struct Packed2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+};
+
+// Loads 8 values of T at ptr (16-byte aligned) as float.
+template <typename T>
+__device__ __forceinline__ void load_vector(const T* ptr, float (&out)[kVectorElements]) {
+  using P = Packed2<T>;
+  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+  const typename P::type* pairs = reinterpret_cast<const typename P::type*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVectorElements / 2; ++i) {
+    const float2 f = P::to_float2(pairs[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Loads 8 values at element `offset` of a T or float32 array (picked at run time).
+template <typename T>
+__device__ __forceinline__ void load_any(const void* base, bool is_fp32, int64_t offset,
+                                         float (&out)[kVectorElements]) {
+  if (is_fp32) {
+    const float* ptr = static_cast<const float*>(base) + offset;
+    const float4 lo = *reinterpret_cast<const float4*>(ptr);
+    const float4 hi = *reinterpret_cast<const float4*>(ptr + 4);
+    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
+  } else {
+    load_vector(static_cast<const T*>(base) + offset, out);
+  }
+}
+
+struct SumOp {
+  static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+};
+struct MaxOp {
+  static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+// Reduces `value` over the block; every thread gets the result. `shared` holds one float per
+// warp; the trailing barrier lets the next call reuse it.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float value, float* shared) {
+#pragma unroll
+  for (int offset = OMNI_WARP_SIZE / 2; offset > 0; offset /= 2) {
+    value = Op::apply(value, OMNI_SHFL_XOR(OMNI_FULL_MASK, value, offset, OMNI_WARP_SIZE));
+  }
+  const int warp = threadIdx.x / OMNI_WARP_SIZE;
+  const int lane = threadIdx.x % OMNI_WARP_SIZE;
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  const int num_warps = blockDim.x / OMNI_WARP_SIZE;
+  float total = shared[0];
+  for (int w = 1; w < num_warps; ++w) total = Op::apply(total, shared[w]);
+  __syncthreads();
+  return total;
+}
+
+template <OutKind kOut>
+struct QuantTraits;
+template <>
+struct QuantTraits<OutKind::kFp8E4m3> {
+  static constexpr float kMax = 448.0f;
+  // 8 values, already clamped to [-448, 448], rounded to nearest even (saturating) and packed.
+  static __device__ __forceinline__ uint2 pack(const float (&v)[kVectorElements]) {
+    uint16_t pairs[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * i], v[2 * i + 1]), __NV_SATFINITE,
+                                          __NV_E4M3);
+    }
+    return make_uint2(static_cast<uint32_t>(pairs[0]) | (static_cast<uint32_t>(pairs[1]) << 16),
+                      static_cast<uint32_t>(pairs[2]) | (static_cast<uint32_t>(pairs[3]) << 16));
+  }
+};
+template <>
+struct QuantTraits<OutKind::kInt8> {
+  static constexpr float kMax = 127.0f;
+  // 8 values in [-127, 127], rounded half to even (__float2int_rn) and packed.
+  static __device__ __forceinline__ uint2 pack(const float (&v)[kVectorElements]) {
+    uint32_t words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < kVectorElements; ++i) {
+      const uint32_t byte = static_cast<uint8_t>(static_cast<int8_t>(__float2int_rn(v[i])));
+      words[i / 4] |= byte << (8 * (i % 4));
+    }
+    return make_uint2(words[0], words[1]);
+  }
+};
+
+template <typename T, OutKind kOut, int kVecs, NormKind kNorm>
+__global__ void __launch_bounds__(kMaxThreads) quantize_per_token_kernel(const Params p) {
+  __shared__ float reduce_shared[kMaxThreads / OMNI_WARP_SIZE];
+  using Traits = QuantTraits<kOut>;
+
+  const int64_t row = blockIdx.x;
+  const T* x_row = static_cast<const T*>(p.x) + row * p.x_row_stride;
+  const float cols = static_cast<float>(p.cols);
+
+  // Issue every load of the row before the first reduction.
+  float v[kVecs][kVectorElements];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    if (idx < p.row_vectors) {
+      load_vector(x_row + static_cast<int64_t>(idx) * kVectorElements, v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] = 0.0f;
+    }
+  }
+
+  float mean = 0.0f, rstd = 1.0f;
+  if constexpr (kNorm == NormKind::kLayer) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) sum += v[i][j];
+    mean = block_reduce<SumOp>(sum, reduce_shared) / cols;
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (static_cast<int>(threadIdx.x + i * blockDim.x) >= p.row_vectors) continue;
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) {
+        const float d = v[i][j] - mean;
+        sum_sq += d * d;
+      }
+    }
+    rstd = 1.0f / sqrtf(block_reduce<SumOp>(sum_sq, reduce_shared) / cols + p.eps);
+  } else if constexpr (kNorm == NormKind::kRms) {
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) sum_sq += v[i][j] * v[i][j];
+    rstd = 1.0f / sqrtf(block_reduce<SumOp>(sum_sq, reduce_shared) / cols + p.eps);
+  }
+
+  const int64_t mod_row = (row / p.rows_per_group) * static_cast<int64_t>(p.cols);
+  float absmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    if (idx >= p.row_vectors) continue;  // v[i] stays 0: no effect on the maximum
+    const int64_t col = static_cast<int64_t>(idx) * kVectorElements;
+    float w[kVectorElements];
+#pragma unroll
+    for (int j = 0; j < kVectorElements; ++j) {
+      if constexpr (kNorm == NormKind::kLayer) v[i][j] = (v[i][j] - mean) * rstd;
+      if constexpr (kNorm == NormKind::kRms) v[i][j] = v[i][j] * rstd;
+    }
+    if (p.norm_weight != nullptr) {
+      load_any<T>(p.norm_weight, p.norm_weight_fp32, col, w);
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] *= w[j];
+    }
+    if (p.norm_bias != nullptr) {
+      load_any<T>(p.norm_bias, p.norm_bias_fp32, col, w);
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] += w[j];
+    }
+    if (p.mod_scale != nullptr) {
+      load_any<T>(p.mod_scale, p.mod_scale_fp32, mod_row + col, w);
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] *= 1.0f + w[j];
+    }
+    if (p.mod_shift != nullptr) {
+      load_any<T>(p.mod_shift, p.mod_shift_fp32, mod_row + col, w);
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] += w[j];
+    }
+    if (p.clamp > 0.0f) {
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) v[i][j] = fminf(fmaxf(v[i][j], -p.clamp), p.clamp);
+    }
+#pragma unroll
+    for (int j = 0; j < kVectorElements; ++j) absmax = fmaxf(absmax, fabsf(v[i][j]));
+  }
+  const float amax = fmaxf(block_reduce<MaxOp>(absmax, reduce_shared), kMinAbsmax);
+  if (threadIdx.x == 0) p.scale[row] = amax / Traits::kMax;
+  const float inv = Traits::kMax / amax;
+
+  uint2* q_row = reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.q) + row * p.cols);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    if (idx >= p.row_vectors) continue;
+    float out[kVectorElements];
+#pragma unroll
+    for (int j = 0; j < kVectorElements; ++j) {
+      out[j] = fminf(fmaxf(v[i][j] * inv, -Traits::kMax), Traits::kMax);
+    }
+    q_row[idx] = Traits::pack(out);
+  }
+}
+
+template <typename T, OutKind kOut, NormKind kNorm>
+void launch_for_norm(const Params& params, int64_t rows, int vectors_per_thread, int threads,
+                     cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(rows));
+  const dim3 block(threads);
+  switch (vectors_per_thread) {
+    case 1:
+      quantize_per_token_kernel<T, kOut, 1, kNorm><<<grid, block, 0, stream>>>(params);
+      break;
+    case 2:
+      quantize_per_token_kernel<T, kOut, 2, kNorm><<<grid, block, 0, stream>>>(params);
+      break;
+    case 4:
+      quantize_per_token_kernel<T, kOut, 4, kNorm><<<grid, block, 0, stream>>>(params);
+      break;
+    default:
+      quantize_per_token_kernel<T, kOut, 8, kNorm><<<grid, block, 0, stream>>>(params);
+      break;
+  }
+}
+
+template <typename T, OutKind kOut>
+void launch_for_out(const Params& params, int64_t rows, NormKind norm, int vectors_per_thread,
+                    int threads, cudaStream_t stream) {
+  switch (norm) {
+    case NormKind::kRms:
+      launch_for_norm<T, kOut, NormKind::kRms>(params, rows, vectors_per_thread, threads, stream);
+      break;
+    case NormKind::kLayer:
+      launch_for_norm<T, kOut, NormKind::kLayer>(params, rows, vectors_per_thread, threads,
+                                                 stream);
+      break;
+    default:
+      launch_for_norm<T, kOut, NormKind::kNone>(params, rows, vectors_per_thread, threads, stream);
+      break;
+  }
+}
+
+// Explicitly instantiated per dtype in quant_{bf16,fp16}.cu, so the two compile in parallel.
+template <typename T>
+void launch_quantize_per_token(const Params& params, int64_t rows, NormKind norm, OutKind out,
+                               int vectors_per_thread, int threads, cudaStream_t stream) {
+  if (out == OutKind::kFp8E4m3) {
+    launch_for_out<T, OutKind::kFp8E4m3>(params, rows, norm, vectors_per_thread, threads, stream);
+  } else {
+    launch_for_out<T, OutKind::kInt8>(params, rows, norm, vectors_per_thread, threads, stream);
+  }
+}
+
+}  // namespace quant
+}  // namespace omni

@@ -1,0 +1,52 @@
+// Host-visible parameters and launcher of the per-token quantization kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "../cuda_compat.h"
+
+namespace omni {
+namespace quant {
+
+constexpr int kVectorElements = 8;  // 16 bytes of fp16/bf16 in, 8 bytes of fp8/int8 out
+constexpr int kMaxThreads = 512;
+constexpr int kMaxVectorsPerThread = 8;
+// Longest row the kernel keeps in registers: 8 vectors of 8 values for each of 512 threads.
+constexpr int64_t kMaxRowElements =
+    static_cast<int64_t>(kMaxThreads) * kMaxVectorsPerThread * kVectorElements;
+// Rows whose absolute maximum is below this are scaled as if it were this
+// (omni_kernels/quant/reference.py: MIN_ABSMAX).
+constexpr float kMinAbsmax = 1e-12f;
+
+enum class NormKind : int { kNone = 0, kRms = 1, kLayer = 2 };
+enum class OutKind : int { kFp8E4m3 = 0, kInt8 = 1 };
+
+struct Params {
+  const void* x;            // [M, K], unit column stride
+  void* q;                  // [M, K] contiguous, fp8 e4m3 or int8
+  float* scale;             // [M]
+  const void* norm_weight;  // [K] or nullptr
+  const void* norm_bias;    // [K] or nullptr
+  const void* mod_scale;    // [G, K] contiguous or nullptr: y * (1 + mod_scale[g])
+  const void* mod_shift;    // [G, K] contiguous or nullptr: + mod_shift[g]
+  bool norm_weight_fp32;    // each of these: float32, otherwise the dtype of x
+  bool norm_bias_fp32;
+  bool mod_scale_fp32;
+  bool mod_shift_fp32;
+  int64_t x_row_stride;     // elements
+  int64_t rows_per_group;   // M / G: row r uses modulation row r / rows_per_group
+  int row_vectors;          // K / kVectorElements
+  int cols;                 // K
+  float eps;
+  float clamp;              // <= 0: no clamp
+};
+
+// One block of `threads` threads per row; each thread owns `vectors_per_thread` (1, 2, 4 or 8)
+// 16-byte vectors of the row. Defined in quant_kernel.cuh, instantiated for __half and
+// __nv_bfloat16 in quant_{fp16,bf16}.cu.
+template <typename T>
+void launch_quantize_per_token(const Params& params, int64_t rows, NormKind norm, OutKind out,
+                               int vectors_per_thread, int threads, cudaStream_t stream);
+
+}  // namespace quant
+}  // namespace omni

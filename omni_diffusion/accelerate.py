@@ -1,0 +1,436 @@
+"""``accelerate(pipe, config)``: omni's kernels, quantization, caching and compilation
+on a diffusers pipeline in one call, and ``undo(pipe)`` to take them off again.
+
+::
+
+    import omni_diffusion as od
+
+    pipe = od.accelerate(pipe, od.AccelConfig(attention="auto", quant="fp8",
+                                              cache=od.CacheConfig("first_block"), compile=True))
+    image = pipe(prompt).images[0]
+    od.last_cache_stats(pipe)          # hits of that call (also pipe.omni_stats)
+    od.undo(pipe)                      # back to the original modules
+
+What is applied, to every denoiser the family's adapter names
+(:mod:`omni_diffusion.adapters`), in this order:
+
+1. ``quant``: :func:`omni_diffusion.quantization.quantize` swaps the linear
+   layers in place, skipping the adapter's patterns plus ``quant_skip``. The
+   original linear modules are kept (their weights moved to CPU memory while
+   quantized, when they were on a GPU) and put back by :func:`undo`.
+2. ``attention``: omni's attention through the adapter (diffusers' attention
+   dispatcher pointed at omni's backend; SD3 gets an omni processor).
+   ``"auto"`` lets omni pick per GPU and shape.
+3. ``cache``: First-Block-Cache / TeaCache hooks (:mod:`omni_diffusion.cache`),
+   or cache-dit on the whole pipeline.
+4. ``compile``: regional ``torch.compile``: each repeated block class the
+   model declares (diffusers' ``compile_repeated_blocks``) or the adapter
+   lists is compiled with ``block.compile(...)``; ``cuda_graphs`` adds
+   CUDA-graph capture (mode ``"reduce-overhead"``). Compilation happens at the
+   first call.
+
+When caching or a progress callback is asked for, the pipeline's class is
+swapped for a subclass of the same name whose ``__call__`` opens a fresh
+cache state for every call (see :mod:`omni_diffusion.cache.state`: reset per
+call, isolated between concurrent calls), reports progress, and stores the
+call's :class:`~omni_diffusion.cache.CacheStats` as ``pipe.omni_stats``.
+
+:func:`undo` restores exactly what was there: the same module objects (linear
+layers, processors' backends, block lists' classes), no compiled regions,
+no hooks, the pipeline's own class. Calling :func:`accelerate` on a pipeline
+that is already accelerated first undoes the previous configuration and then
+applies the new one (it never stacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_diffusion.adapters import ModelAdapter, adapter_for, adapter_for_transformer
+from omni_diffusion.cache.state import CacheStats, generation
+from omni_diffusion.config import ATTENTION_AUTO, AccelConfig
+
+logger = logging.getLogger("omni_diffusion.accelerate")
+
+#: ``progress(step, total, latents)``: step counts completed steps (1..total)
+ProgressFn = Callable[[int, "int | None", "torch.Tensor | None"], Any]
+
+_STATE_ATTR = "_omni_accel"
+_OWNER_ATTR = "_omni_accelerated_by"
+
+
+@dataclasses.dataclass
+class _Accelerated:
+    config: AccelConfig
+    adapter: ModelAdapter
+    progress: ProgressFn | None
+    wraps_call: bool = False
+    undos: list[tuple[str, Callable[[], None]]] = dataclasses.field(default_factory=list)
+    transformers: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
+
+    @property
+    def cache_kind(self) -> str | None:
+        return None if self.config.cache is None else self.config.cache.kind
+
+    def run_undos(self) -> None:
+        errors = []
+        while self.undos:
+            what, fn = self.undos.pop()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - undo everything, report after
+                errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("undo failed for " + "; ".join(errors))
+
+
+# --------------------------------------------------------------------------- public
+
+
+def accelerate(
+    pipe: Any,
+    config: AccelConfig | Mapping[str, Any] | None = None,
+    *,
+    progress: ProgressFn | None = None,
+    adapter: ModelAdapter | None = None,
+) -> Any:
+    """Apply ``config`` to ``pipe`` in place and return ``pipe``.
+
+    Args:
+        pipe: a diffusers pipeline of a supported family, or a bare transformer
+            of one (then caching works inside ``omni_diffusion.cache.generation()``
+            blocks the caller opens, and ``progress`` is not available).
+        config: an :class:`AccelConfig`, a dict of its fields, or None for
+            ``AccelConfig()`` (omni attention ``"auto"`` only).
+        progress: called as ``progress(step, total, latents)`` after every
+            denoising step of every call (through the pipeline's
+            ``callback_on_step_end``, composed with one the caller passes).
+        adapter: overrides the registry's choice of model adapter.
+
+    Raises:
+        ValueError: unsupported pipeline (the message lists the supported
+            ones), a config the model cannot take, a transformer shared with
+            another accelerated pipeline.
+        ImportError: ``quant`` without :mod:`omni_diffusion.quantization`, or
+            ``cache="cache_dit"`` without the cache-dit package.
+    """
+    if config is None:
+        config = AccelConfig()
+    elif isinstance(config, Mapping):
+        config = AccelConfig.from_dict(config)
+    elif not isinstance(config, AccelConfig):
+        raise TypeError(f"config must be an AccelConfig or a dict, not {type(config).__name__}")
+    if is_accelerated(pipe):
+        undo(pipe)
+    if isinstance(pipe, nn.Module):  # a bare transformer (custom loops, benchmarks)
+        if progress is not None:
+            raise ValueError("progress needs a pipeline: it reports through callback_on_step_end")
+        if config.cache is not None and config.cache.kind == "cache_dit":
+            raise ValueError("cache='cache_dit' needs a pipeline, not a bare transformer")
+        adapter = adapter or adapter_for_transformer(pipe)
+        transformers = {"transformer": pipe}
+    else:
+        adapter = adapter or adapter_for(pipe)
+        transformers = adapter.transformers(pipe)
+    for name, transformer in transformers.items():
+        owner_ref = transformer.__dict__.get(_OWNER_ATTR)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and owner is not pipe:
+            raise ValueError(
+                f"pipe.{name} is already accelerated through another pipeline "
+                f"({type(owner).__name__}); undo() that pipeline first"
+            )
+    state = _Accelerated(config=config, adapter=adapter, progress=progress,
+                         transformers=dict(transformers))
+    try:
+        _apply(pipe, state)
+    except BaseException:
+        state.run_undos()
+        raise
+    pipe.__dict__[_STATE_ATTR] = state
+    return pipe
+
+
+def undo(pipe: Any) -> Any:
+    """Take omni's acceleration off ``pipe`` (no-op when it has none); returns ``pipe``."""
+    state = pipe.__dict__.pop(_STATE_ATTR, None)
+    if state is not None:
+        state.run_undos()
+        pipe.__dict__.pop("omni_stats", None)
+    return pipe
+
+
+def is_accelerated(pipe: Any) -> bool:
+    return _STATE_ATTR in getattr(pipe, "__dict__", {})
+
+
+def accel_config(pipe: Any) -> AccelConfig | None:
+    """The :class:`AccelConfig` applied to ``pipe``, or None."""
+    state = getattr(pipe, "__dict__", {}).get(_STATE_ATTR)
+    return None if state is None else state.config
+
+
+def last_cache_stats(pipe: Any) -> CacheStats | None:
+    """The :class:`~omni_diffusion.cache.CacheStats` of ``pipe``'s last finished
+    call (also ``pipe.omni_stats``); None before the first call or without
+    caching. With concurrent calls, use :func:`omni_diffusion.collect_stats`."""
+    return getattr(pipe, "__dict__", {}).get("omni_stats")
+
+
+def step_callback(progress: ProgressFn, callback: Callable | None = None) -> Callable:
+    """A diffusers ``callback_on_step_end`` that calls ``progress(step, total, latents)``
+    and then ``callback`` (if given), for per-request progress in a server::
+
+        pipe(prompt, callback_on_step_end=omni_diffusion.step_callback(report))
+    """
+
+    def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict):
+        total = getattr(pipeline, "_num_timesteps", None)
+        progress(step + 1, total, callback_kwargs.get("latents"))
+        if callback is not None:
+            result = callback(pipeline, step, timestep, callback_kwargs)
+            return callback_kwargs if result is None else result
+        return callback_kwargs
+
+    tensor_inputs = getattr(callback, "tensor_inputs", None)
+    if tensor_inputs is not None:
+        on_step_end.tensor_inputs = list(tensor_inputs)
+    return on_step_end
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def _apply(pipe: Any, state: _Accelerated) -> None:
+    config, adapter = state.config, state.adapter
+    if config.cuda_graphs:  # checked before anything is changed
+        for name, transformer in state.transformers.items():
+            device = _module_device(transformer)
+            if device is None or device.type != "cuda":
+                raise ValueError(
+                    f"AccelConfig.cuda_graphs: True needs the pipeline on a CUDA device; "
+                    f"{name} is on {device}"
+                )
+    for name, transformer in state.transformers.items():
+        transformer.__dict__[_OWNER_ATTR] = weakref.ref(pipe)
+        state.undos.append((f"{name} owner", functools.partial(
+            transformer.__dict__.pop, _OWNER_ATTR, None)))
+        if config.quant is not None:
+            state.undos.append((f"{name} quantization", _apply_quant(transformer, adapter, config)))
+        if config.attention is not None:
+            backend = None if config.attention == ATTENTION_AUTO else config.attention
+            state.undos.append((f"{name} attention", adapter.apply_attention(transformer, backend)))
+        if config.cache is not None and config.cache.kind != "cache_dit":
+            from omni_diffusion.cache.hooks import CacheController
+
+            controller = CacheController(name, transformer, adapter, config.cache, pipe=pipe,
+                                         clone_kept_outputs=config.cuda_graphs)
+            controller.install()
+            state.undos.append((f"{name} cache", controller.remove))
+    if config.cache is not None and config.cache.kind == "cache_dit":
+        from omni_diffusion.cache import cache_dit
+
+        warmup = 1 if config.cache.warmup_steps is None else config.cache.warmup_steps
+        state.undos.append(("cache-dit", cache_dit.enable(pipe, config.cache, adapter.cfg.mode, warmup)))
+    if config.compile:
+        for name, transformer in state.transformers.items():
+            state.undos.append((f"{name} compile", _apply_compile(transformer, adapter, config)))
+    if (config.cache is not None or state.progress is not None) and not isinstance(pipe, nn.Module):
+        state.undos.append(("pipeline __call__", _wrap_call(pipe, state)))
+
+
+def _module_device(module: nn.Module) -> torch.device | None:
+    for tensor in module.parameters():
+        return tensor.device
+    return None
+
+
+def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
+    try:
+        from omni_diffusion.quantization import QuantConfig, quantize
+    except ImportError as exc:
+        raise ImportError(
+            f"quant={config.quant!r} needs omni_diffusion.quantization, which does not import: {exc}"
+        ) from exc
+    # The adapter's patterns cover the family; keep those this model has (a
+    # variant may lack some layers, and quantize() rejects patterns that match
+    # nothing). The caller's own patterns go through unfiltered.
+    names = [name for name, _ in transformer.named_modules()]
+    family_skip = [p for p in adapter.quant_skip if any(_matches(n, p) for n in names)]
+    fields: dict[str, Any] = dict(method=config.quant, skip=(*family_skip, *config.quant_skip),
+                                  **config.quant_options)
+    if config.quant_min_features is not None:
+        fields["min_features"] = config.quant_min_features
+    before = [
+        (parent, child_name, child)
+        for parent in transformer.modules()
+        for child_name, child in parent._modules.items()
+        if child is not None
+    ]
+    try:
+        quantize(transformer, QuantConfig(**fields))
+    except BaseException:  # failed part-way: put back what was swapped
+        for parent, n, old in before:
+            if parent._modules.get(n) is not old:
+                setattr(parent, n, old)
+        raise
+    swapped = [(parent, n, old) for parent, n, old in before if parent._modules.get(n) is not old]
+    if not swapped:
+        logger.warning("quant=%r changed no layer of %s", config.quant, type(transformer).__name__)
+    # Keep the originals for undo without holding GPU memory: their tensors go
+    # to CPU unless the new module shares them (a bias, say).
+    new_storages = set()
+    for parent, n, _ in swapped:
+        new = parent._modules.get(n)
+        if new is not None:
+            for t in [*new.parameters(), *new.buffers()]:
+                new_storages.add(t.untyped_storage().data_ptr())
+    moved: list[tuple[torch.Tensor, torch.device]] = []
+    for _, _, old in swapped:
+        for t in [*old.parameters(), *old.buffers()]:
+            if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in new_storages:
+                moved.append((t, t.device))
+                t.data = t.data.to("cpu")
+
+    def undo() -> None:
+        for t, device in moved:
+            t.data = t.data.to(device)
+        for parent, n, old in swapped:
+            setattr(parent, n, old)
+
+    return undo
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``pattern`` (fnmatch) matches ``name`` or one of its parents, as quantize() reads skips."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
+    names = adapter.repeated_block_classes(transformer)
+    targets = [m for m in transformer.modules() if type(m).__name__ in names]
+    if not targets:
+        raise ValueError(
+            f"compile: no module of {type(transformer).__name__} is one of the repeated block "
+            f"classes {names}"
+        )
+    kwargs: dict[str, Any] = dict(
+        backend=config.compile_backend,
+        fullgraph=adapter.compile_fullgraph if config.compile_fullgraph is None else config.compile_fullgraph,
+        dynamic=config.compile_dynamic,
+    )
+    if config.torch_compile_mode is not None:
+        kwargs["mode"] = config.torch_compile_mode
+    saved = [(m, m.__dict__.get("_compiled_call_impl")) for m in targets]
+    declared = tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    if declared and declared == names and hasattr(transformer, "compile_repeated_blocks"):
+        transformer.compile_repeated_blocks(**kwargs)
+    else:
+        for module in targets:
+            module.compile(**kwargs)
+
+    def undo() -> None:
+        for module, previous in saved:
+            module._compiled_call_impl = previous
+
+    return undo
+
+
+# --------------------------------------------------------------------------- pipeline call
+
+_CALL_CLASSES: dict[type, type] = {}
+
+
+def _accelerated_class(base: type) -> type:
+    cls = _CALL_CLASSES.get(base)
+    if cls is not None:
+        return cls
+    original_call = base.__call__
+
+    @functools.wraps(original_call)
+    def __call__(self, *args, **kwargs):
+        return _call(self, original_call, args, kwargs)
+
+    cls = type(base.__name__, (base,), {
+        "__call__": __call__,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "_omni_base_class": base,
+    })
+    _CALL_CLASSES[base] = cls
+    return cls
+
+
+def _wrap_call(pipe: Any, state: _Accelerated):
+    base = type(pipe)
+    object.__setattr__(pipe, "__class__", _accelerated_class(base))
+    state.wraps_call = True
+
+    def undo() -> None:
+        object.__setattr__(pipe, "__class__", base)
+
+    return undo
+
+
+def _call(pipe: Any, original_call: Callable, args: tuple, kwargs: dict):
+    state: _Accelerated | None = pipe.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return original_call(pipe, *args, **kwargs)
+    if state.progress is not None:
+        kwargs = _with_progress(pipe, original_call, kwargs, state.progress)
+    kind = state.cache_kind
+    opened = None
+    try:
+        with generation(pipe, kind=kind) as gen:
+            opened = gen
+            try:
+                return original_call(pipe, *args, **kwargs)
+            finally:
+                if kind == "cache_dit":
+                    from omni_diffusion.cache import cache_dit
+
+                    gen.extra["cache_dit"] = {"summary": cache_dit.summary(pipe)}
+    finally:
+        if opened is not None and opened.final_stats is not None:
+            pipe.__dict__["omni_stats"] = opened.final_stats
+
+
+_WARNED_NO_CALLBACK: set[type] = set()
+
+
+def _with_progress(pipe: Any, original_call: Callable, kwargs: dict, progress: ProgressFn) -> dict:
+    params = inspect.signature(original_call).parameters
+    if "callback_on_step_end" not in params:
+        if type(pipe) not in _WARNED_NO_CALLBACK:
+            _WARNED_NO_CALLBACK.add(type(pipe))
+            logger.warning("%s has no callback_on_step_end: no progress reports", type(pipe).__name__)
+        return kwargs
+    kwargs = dict(kwargs)
+    user = kwargs.get("callback_on_step_end")
+    callback = step_callback(progress, user)
+    kwargs["callback_on_step_end"] = callback
+    tensor_inputs = getattr(callback, "tensor_inputs", None)
+    if tensor_inputs is not None and "callback_on_step_end_tensor_inputs" in params:
+        kwargs["callback_on_step_end_tensor_inputs"] = tensor_inputs
+    return kwargs
+
+
+__all__ = [
+    "accel_config",
+    "accelerate",
+    "is_accelerated",
+    "last_cache_stats",
+    "step_callback",
+    "undo",
+]

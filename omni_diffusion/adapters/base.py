@@ -1,0 +1,316 @@
+"""What omni needs to know about one family of diffusers models: :class:`ModelAdapter`.
+
+An adapter is a stateless description (one instance per family, registered in
+:mod:`omni_diffusion.adapters`) of
+
+* where the denoiser(s) are on the pipeline (``transformer``; Wan 2.2 also
+  ``transformer_2``) and where their repeated blocks are (:class:`BlockList`:
+  the ``nn.ModuleList`` attribute, which call argument carries the image stream
+  and which the text stream, and the order of the returned tensors);
+* which block classes regional ``torch.compile`` compiles;
+* how the attention sequence is laid out (:class:`SequenceLayout`: joint
+  text+image attention with text first or last, or image self-attention plus
+  text cross-attention) and how classifier-free guidance runs (:class:`CFGInfo`):
+  what sequence/CFG parallelism builds on;
+* which linear layers quantization leaves alone (fnmatch patterns relative to
+  the transformer: embedders, final projection, AdaLN modulation layers);
+* how omni's attention is installed (diffusers' attention dispatcher by default);
+* for TeaCache, the first block's timestep-modulated input and the calibrated
+  rescaling polynomial when one is published.
+
+Shared code (accelerate, the caches) asks the adapter; nothing in it tests model
+names. A new family is a new module with a registered subclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("omni_diffusion.adapters")
+
+Undo = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockList:
+    """One ``nn.ModuleList`` of repeated transformer blocks, run in order.
+
+    Args:
+        attr: attribute path on the transformer (``"transformer_blocks"``).
+        hidden_arg: name of the block's ``forward`` parameter with the image
+            (latent) tokens.
+        encoder_arg: name of the parameter with the text tokens, or None.
+        outputs: what the block returns, in order: ``("hidden",)`` for a single
+            tensor, ``("encoder", "hidden")`` / ``("hidden", "encoder")`` for pairs.
+    """
+
+    attr: str
+    hidden_arg: str = "hidden_states"
+    encoder_arg: str | None = "encoder_hidden_states"
+    outputs: tuple[str, ...] = ("encoder", "hidden")
+
+    def __post_init__(self) -> None:
+        if "hidden" not in self.outputs or not set(self.outputs) <= {"hidden", "encoder"}:
+            raise ValueError(f"BlockList.outputs must name 'hidden' (and 'encoder'): {self.outputs}")
+
+    def module_list(self, transformer: nn.Module) -> nn.ModuleList | None:
+        obj: Any = transformer
+        for part in self.attr.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj if isinstance(obj, nn.ModuleList) else None
+
+    # --- reading and building a block's arguments and outputs
+
+    def hidden_of(self, output: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return output
+        return output[self.outputs.index("hidden")]
+
+    def encoder_of(self, output: Any) -> torch.Tensor | None:
+        if isinstance(output, torch.Tensor) or "encoder" not in self.outputs:
+            return None
+        return output[self.outputs.index("encoder")]
+
+    def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+        """A block output carrying ``hidden`` (and ``encoder``) in this list's order."""
+        if self.outputs == ("hidden",):
+            return hidden
+        return tuple(hidden if name == "hidden" else encoder for name in self.outputs)
+
+
+class BlockCall:
+    """The arguments of one block call, readable by parameter name."""
+
+    __slots__ = ("args", "kwargs", "_positions")
+
+    def __init__(self, positions: dict[str, int], args: tuple, kwargs: dict) -> None:
+        self._positions = positions
+        self.args = args
+        self.kwargs = kwargs
+
+    def get(self, name: str | None, default: Any = None) -> Any:
+        if name is None:
+            return default
+        if name in self.kwargs:
+            return self.kwargs[name]
+        index = self._positions.get(name)
+        if index is not None and index < len(self.args):
+            return self.args[index]
+        return default
+
+
+_POSITIONS: dict[type, dict[str, int]] = {}
+
+
+def block_call(block: nn.Module, args: tuple, kwargs: dict) -> BlockCall:
+    """Wrap a block call's arguments (parameter positions cached per class)."""
+    cls = type(block)
+    positions = _POSITIONS.get(cls)
+    if positions is None:
+        positions = {}
+        for index, param in enumerate(inspect.signature(cls.forward).parameters.values()):
+            if index == 0:
+                continue  # self
+            if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+                positions[param.name] = index - 1
+        _POSITIONS[cls] = positions
+    return BlockCall(positions, args, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """How text and image tokens meet in attention.
+
+    Args:
+        attention: ``"joint"`` (one attention over text and image tokens
+            concatenated) or ``"cross"`` (image self-attention, then
+            cross-attention to the text).
+        text_position: for joint attention, ``"first"`` or ``"last"`` in the
+            concatenated sequence; None for cross attention.
+        text_mask: whether a text padding mask reaches attention.
+        image_dims: the latent token grid (``"HW"`` for images, ``"FHW"`` for video).
+    """
+
+    attention: str
+    text_position: str | None
+    text_mask: bool = False
+    image_dims: str = "HW"
+
+
+@dataclasses.dataclass(frozen=True)
+class CFGInfo:
+    """How classifier-free guidance runs.
+
+    Args:
+        mode: ``"distilled"`` (guidance-distilled: the scale is an embedding,
+            one transformer call per step), ``"batched"`` (conditional and
+            unconditional in one call, concatenated along the batch) or
+            ``"separate"`` (one call each, in diffusers' ``cache_context("cond")``
+            / ``("uncond")``).
+        guidance_embedded: the guidance scale enters the transformer as an embedding.
+        true_cfg_argument: the pipeline argument that adds separate-call true
+            CFG to a distilled model (``"true_cfg_scale"``), if any.
+    """
+
+    mode: str
+    guidance_embedded: bool = False
+    true_cfg_argument: str | None = None
+
+
+class ModelAdapter:
+    """Base class of the per-family adapters; see the module docstring."""
+
+    #: short family name ("flux")
+    name: ClassVar[str] = ""
+    #: diffusers pipeline class names this adapter serves (matched along the MRO)
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    #: diffusers transformer class names (for pipelines not listed, and transformer-only use)
+    transformer_classes: ClassVar[tuple[str, ...]] = ()
+    #: pipeline attributes holding denoisers, in order; missing/None ones are skipped
+    transformer_attrs: ClassVar[tuple[str, ...]] = ("transformer",)
+    block_lists: ClassVar[tuple[BlockList, ...]] = ()
+    layout: ClassVar[SequenceLayout] = SequenceLayout("joint", "first")
+    cfg: ClassVar[CFGInfo] = CFGInfo("separate")
+    #: fnmatch patterns (relative to the transformer) quantization leaves alone
+    quant_skip: ClassVar[tuple[str, ...]] = ()
+    #: regional compile with fullgraph=True works for these blocks
+    compile_fullgraph: ClassVar[bool] = True
+    #: transformer forward arguments that, when not None, make a step uncacheable
+    #: (ControlNet residuals are added between blocks, which caching would drop)
+    cache_disabling_kwargs: ClassVar[tuple[str, ...]] = ()
+    #: TeaCache warm-up steps the calibration assumed
+    teacache_warmup_steps: ClassVar[int] = 1
+
+    # ------------------------------------------------------------------ structure
+
+    def transformers(self, pipe: Any) -> dict[str, nn.Module]:
+        """``{attribute: denoiser}`` of ``pipe`` (``transformer``, ``transformer_2``...)."""
+        found = {}
+        for attr in self.transformer_attrs:
+            module = getattr(pipe, attr, None)
+            if isinstance(module, nn.Module):
+                found[attr] = module
+        if not found:
+            raise ValueError(
+                f"{type(pipe).__name__} has no denoiser at {', '.join(self.transformer_attrs)}"
+            )
+        return found
+
+    def blocks(self, transformer: nn.Module) -> list[tuple[BlockList, nn.ModuleList]]:
+        """The block lists present on ``transformer`` (empty lists left out)."""
+        lists = []
+        for spec in self.block_lists:
+            module_list = spec.module_list(transformer)
+            if module_list is not None and len(module_list) > 0:
+                lists.append((spec, module_list))
+        if not lists:
+            raise ValueError(
+                f"{type(transformer).__name__} has none of the block lists the {self.name} adapter "
+                f"expects ({', '.join(s.attr for s in self.block_lists)})"
+            )
+        return lists
+
+    def repeated_block_classes(self, transformer: nn.Module) -> tuple[str, ...]:
+        """Class names regional compile compiles: the model's ``_repeated_blocks``
+        (diffusers' declaration), else the classes in :attr:`block_lists`."""
+        declared = tuple(getattr(transformer, "_repeated_blocks", None) or ())
+        if declared:
+            return declared
+        names: list[str] = []
+        for _, module_list in self.blocks(transformer):
+            for block in module_list:
+                if type(block).__name__ not in names:
+                    names.append(type(block).__name__)
+        return tuple(names)
+
+    # ------------------------------------------------------------------ attention
+
+    def apply_attention(self, transformer: nn.Module, omni_backend: str | None) -> Undo:
+        """Route the transformer's attention to omni; returns the undo.
+
+        Default: every attention processor that goes through diffusers'
+        dispatcher (it has ``_attention_backend``) is pointed at omni's
+        diffusers backend (``"omni"``, or ``"omni:<backend>"`` pinned to one
+        omni backend). Unlike ``ModelMixin.set_attention_backend`` this does not
+        change diffusers' process-wide active backend, so other models are not
+        affected. ``omni_backend=None`` picks per call (``"auto"``).
+        """
+        from omni_diffusion.attention_backend import OMNI_BACKEND_NAME, register_omni_attention_backend
+
+        name = OMNI_BACKEND_NAME if omni_backend is None else f"{OMNI_BACKEND_NAME}:{omni_backend}"
+        member = register_omni_attention_backend(name, omni_backend=omni_backend)
+        saved: list[tuple[Any, bool, Any]] = []  # (processor, had its own value, value)
+        for module in transformer.modules():
+            processor = getattr(module, "processor", None)
+            if processor is not None and hasattr(processor, "_attention_backend"):
+                if all(processor is not p for p, _, _ in saved):
+                    own = "_attention_backend" in getattr(processor, "__dict__", {})
+                    saved.append((processor, own, processor._attention_backend))
+        if not saved:
+            raise ValueError(
+                f"{type(transformer).__name__}: no attention processor goes through diffusers' "
+                f"attention dispatcher, and the {self.name} adapter has no other route"
+            )
+        for processor, _, _ in saved:
+            processor._attention_backend = member
+
+        def undo() -> None:
+            for processor, own, previous in saved:
+                if own:
+                    processor._attention_backend = previous
+                else:  # the class attribute shows through again, as before
+                    processor.__dict__.pop("_attention_backend", None)
+
+        return undo
+
+    # ------------------------------------------------------------------ caching
+
+    def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
+        """The first block's timestep-modulated input TeaCache compares across
+        steps, or None when the adapter has none (TeaCache then refuses)."""
+        return None
+
+    def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None) -> tuple[float, ...] | None:
+        """TeaCache's calibrated rescaling polynomial (highest power first) for
+        this model, or None (the raw relative L1 distance is accumulated)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (for logs, omni-serve's model info)."""
+        return dict(
+            name=self.name,
+            pipelines=list(self.pipeline_classes),
+            transformers=list(self.transformer_classes),
+            transformer_attrs=list(self.transformer_attrs),
+            block_lists=[dataclasses.asdict(b) for b in self.block_lists],
+            layout=dataclasses.asdict(self.layout),
+            cfg=dataclasses.asdict(self.cfg),
+            quant_skip=list(self.quant_skip),
+        )
+
+
+def modulated_norm_input(norm: nn.Module, call: BlockCall, hidden_arg: str = "hidden_states",
+                         temb_arg: str = "temb") -> torch.Tensor:
+    """``norm(hidden, emb=temb)[0]``: an AdaLayerNormZero-style block input norm."""
+    out = norm(call.get(hidden_arg), emb=call.get(temb_arg))
+    return out[0] if isinstance(out, tuple) else out
+
+
+__all__ = [
+    "BlockCall",
+    "BlockList",
+    "CFGInfo",
+    "ModelAdapter",
+    "SequenceLayout",
+    "block_call",
+    "modulated_norm_input",
+]

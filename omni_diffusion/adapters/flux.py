@@ -1,0 +1,67 @@
+"""Flux.1 (dev, schnell) and Flux.1 Kontext: ``FluxTransformer2DModel``.
+
+* Blocks: 19 dual-stream ``transformer_blocks`` (image and text streams with
+  joint attention) then 38 ``single_transformer_blocks`` (in current diffusers
+  they take and return both streams, concatenating them inside). Both return
+  ``(encoder_hidden_states, hidden_states)``.
+* Sequence: joint attention, text tokens first (``ids = cat(txt_ids, img_ids)``);
+  Kontext appends the reference image's tokens after the target's.
+* CFG: guidance-distilled (the scale is an embedding when
+  ``guidance_embeds``); ``true_cfg_scale > 1`` with a negative prompt adds
+  separate conditional/unconditional calls.
+* Quantization skips the embedders, the final norm/projection and the AdaLN
+  modulation linears (one row per sample: nothing to gain, precision to lose).
+* TeaCache: the first block's ``norm1(hidden_states, emb=temb)`` output, with
+  the polynomial TeaCache4FLUX calibrated on FLUX.1-dev (ali-vilab/TeaCache).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.base import (
+    BlockCall,
+    BlockList,
+    CFGInfo,
+    ModelAdapter,
+    SequenceLayout,
+    modulated_norm_input,
+)
+
+#: TeaCache4FLUX (FLUX.1-dev), highest power first
+FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
+
+
+@register_adapter
+class FluxAdapter(ModelAdapter):
+    name = "flux"
+    pipeline_classes = ("FluxPipeline", "FluxKontextPipeline")
+    transformer_classes = ("FluxTransformer2DModel",)
+    block_lists = (
+        BlockList("transformer_blocks"),
+        BlockList("single_transformer_blocks"),
+    )
+    layout = SequenceLayout("joint", text_position="first", text_mask=False, image_dims="HW")
+    cfg = CFGInfo("distilled", guidance_embedded=True, true_cfg_argument="true_cfg_scale")
+    quant_skip = (
+        "x_embedder",
+        "context_embedder",
+        "time_text_embed.*",
+        "norm_out.*",
+        "proj_out",
+        "transformer_blocks.*.norm1.linear",
+        "transformer_blocks.*.norm1_context.linear",
+        "single_transformer_blocks.*.norm.linear",
+    )
+    cache_disabling_kwargs = ("controlnet_block_samples", "controlnet_single_block_samples")
+
+    def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
+        norm = getattr(block, "norm1", None) or getattr(block, "norm", None)
+        return None if norm is None else modulated_norm_input(norm, call)
+
+    def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
+        return FLUX_TEACACHE_COEFFICIENTS

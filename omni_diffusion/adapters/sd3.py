@@ -1,0 +1,140 @@
+"""Stable Diffusion 3 / 3.5: ``SD3Transformer2DModel`` (MMDiT).
+
+* Blocks: ``transformer_blocks`` of ``JointTransformerBlock``, returning
+  ``(encoder_hidden_states, hidden_states)``; the last one is
+  ``context_pre_only`` (its text output is None). SD3.5 Medium blocks add a
+  second, image-only attention (``attn2``).
+* Sequence: joint attention with image tokens first, text last.
+* CFG: batched (conditional and unconditional concatenated along the batch,
+  one transformer call per step).
+* Attention: the SD3 processor (``JointAttnProcessor2_0``) calls torch SDPA
+  itself instead of diffusers' dispatcher, so omni swaps it for
+  :class:`OmniJointAttnProcessor`: the same projections, norms and
+  concatenation, with the attention itself run by
+  :func:`omni_kernels.attention.attention` on diffusers' ``[B, S, H, D]``
+  layout. Undo puts the original processor objects back.
+* TeaCache: the first block's ``norm1(hidden_states, emb=temb)``; no published
+  calibration (the raw relative L1 distance is accumulated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.base import (
+    BlockCall,
+    BlockList,
+    CFGInfo,
+    ModelAdapter,
+    SequenceLayout,
+    Undo,
+    modulated_norm_input,
+)
+
+_REPLACED_PROCESSORS = ("JointAttnProcessor2_0",)
+
+
+class OmniJointAttnProcessor:
+    """SD3's joint attention with omni's attention kernels.
+
+    ``backend``: an omni backend name, or None to choose per call
+    (``omni_kernels.attention``'s context manager / env / ``"auto"``).
+    Calls with an attention mask go to the processor it replaced.
+    """
+
+    def __init__(self, backend: str | None, original: Any) -> None:
+        self.backend = backend
+        self.original = original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 *args, **kwargs):
+        if attention_mask is not None or hidden_states.ndim != 3:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 *args, **kwargs)
+        from omni_kernels.attention import attention
+
+        batch, image_len, _ = hidden_states.shape
+        heads = attn.heads
+
+        def split(x: torch.Tensor) -> torch.Tensor:  # [B, S, H*D] -> [B, S, H, D]
+            return x.view(batch, x.shape[1], heads, -1)
+
+        query = split(attn.to_q(hidden_states))
+        key = split(attn.to_k(hidden_states))
+        value = split(attn.to_v(hidden_states))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            c_query = split(attn.add_q_proj(encoder_hidden_states))
+            c_key = split(attn.add_k_proj(encoder_hidden_states))
+            c_value = split(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                c_query = attn.norm_added_q(c_query)
+            if attn.norm_added_k is not None:
+                c_key = attn.norm_added_k(c_key)
+            query = torch.cat([query, c_query], dim=1)
+            key = torch.cat([key, c_key], dim=1)
+            value = torch.cat([value, c_value], dim=1)
+
+        out = attention(query, key, value, backend=self.backend, layout="bshd")
+        out = out.reshape(batch, out.shape[1], -1).to(query.dtype)
+
+        context = None
+        if encoder_hidden_states is not None:
+            out, context = out[:, :image_len], out[:, image_len:]
+            if not attn.context_pre_only:
+                context = attn.to_add_out(context)
+        out = attn.to_out[0](out)
+        out = attn.to_out[1](out)
+        if encoder_hidden_states is not None:
+            return out, context
+        return out
+
+
+@register_adapter
+class SD3Adapter(ModelAdapter):
+    name = "sd3"
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    transformer_classes = ("SD3Transformer2DModel",)
+    block_lists = (BlockList("transformer_blocks"),)
+    layout = SequenceLayout("joint", text_position="last", text_mask=False, image_dims="HW")
+    cfg = CFGInfo("batched")
+    quant_skip = (
+        "pos_embed.*",
+        "context_embedder",
+        "time_text_embed.*",
+        "norm_out.*",
+        "proj_out",
+        "transformer_blocks.*.norm1.linear",
+        "transformer_blocks.*.norm1_context.linear",
+    )
+    cache_disabling_kwargs = ("block_controlnet_hidden_states",)
+
+    def apply_attention(self, transformer: nn.Module, omni_backend: str | None) -> Undo:
+        swapped: list[tuple[nn.Module, Any]] = []
+        for module in transformer.modules():
+            processor = getattr(module, "processor", None)
+            if processor is None or not hasattr(module, "set_processor"):
+                continue
+            if type(processor).__name__ in _REPLACED_PROCESSORS:
+                swapped.append((module, processor))
+        if not swapped:
+            # A diffusers version whose SD3 attention goes through the dispatcher.
+            return super().apply_attention(transformer, omni_backend)
+        for module, processor in swapped:
+            module.set_processor(OmniJointAttnProcessor(omni_backend, processor))
+
+        def undo() -> None:
+            for module, processor in swapped:
+                module.set_processor(processor)
+
+        return undo
+
+    def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
+        return modulated_norm_input(block.norm1, call)

@@ -1,0 +1,66 @@
+"""Wan 2.1 / 2.2, text-to-video and image-to-video: ``WanTransformer3DModel``.
+
+* Denoisers: ``transformer``; Wan 2.2 A14B adds ``transformer_2`` (the
+  low-noise expert, used below ``boundary_ratio``). Each is accelerated, and
+  each keeps its own cache state.
+* Blocks: ``blocks`` of ``WanTransformerBlock(hidden_states,
+  encoder_hidden_states, temb, rotary_emb) -> hidden_states``.
+* Sequence: image (video) self-attention over the ``F x H x W`` token grid,
+  then cross-attention to the text (and, for Wan 2.1 I2V, CLIP image tokens
+  prepended to the text).
+* CFG: separate conditional / unconditional calls in ``cache_context``.
+* Quantization skips the patch embedding, the condition embedders (time,
+  text, image) and the output projection; modulation is a parameter table,
+  not a linear.
+* TeaCache: the projected timestep embedding the blocks receive (``temb``,
+  TeaCache4Wan2.1's ``e0``), with its polynomials for Wan 2.1 T2V 1.3B / 14B
+  and I2V 14B (480p calibration) and 5 warm-up steps, as calibrated
+  (ali-vilab/TeaCache). Wan 2.2 (two experts) has no calibration: raw distance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.base import BlockCall, BlockList, CFGInfo, ModelAdapter, SequenceLayout
+
+#: TeaCache4Wan2.1 ``e0`` polynomials, highest power first
+WAN21_TEACACHE_COEFFICIENTS = {
+    "t2v-1.3b": (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+    "t2v-14b": (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+    "i2v-14b-480p": (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
+    "i2v-14b-720p": (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
+}
+
+
+@register_adapter
+class WanAdapter(ModelAdapter):
+    name = "wan"
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    transformer_classes = ("WanTransformer3DModel",)
+    transformer_attrs = ("transformer", "transformer_2")
+    block_lists = (BlockList("blocks", encoder_arg=None, outputs=("hidden",)),)
+    layout = SequenceLayout("cross", text_position=None, text_mask=False, image_dims="FHW")
+    cfg = CFGInfo("separate")
+    quant_skip = ("patch_embedding", "condition_embedder.*", "proj_out")
+    teacache_warmup_steps = 5
+
+    def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
+        return call.get("temb")
+
+    def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
+        if pipe is not None and getattr(pipe, "transformer_2", None) is not None:
+            return None  # Wan 2.2 A14B: not calibrated
+        config = transformer.config
+        dim = config.num_attention_heads * config.attention_head_dim
+        if dim == 1536 and config.in_channels == 16:
+            return WAN21_TEACACHE_COEFFICIENTS["t2v-1.3b"]
+        if dim == 5120 and config.in_channels == 16:
+            return WAN21_TEACACHE_COEFFICIENTS["t2v-14b"]
+        if dim == 5120 and config.in_channels == 36:
+            return WAN21_TEACACHE_COEFFICIENTS["i2v-14b-480p"]
+        return None

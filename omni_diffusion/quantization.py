@@ -1,0 +1,421 @@
+"""FP8/INT8 quantization of the linear layers of a diffusers transformer, in place.
+
+    from omni_diffusion.quantization import QuantConfig, quantize, save_quantized, load_quantized
+
+    config = QuantConfig(method="fp8", skip=("x_embedder", "context_embedder", "proj_out"))
+    quantize(transformer, config)            # swaps nn.Linear -> QuantizedLinear, in place
+    save_quantized(transformer, "flux-fp8.safetensors")
+    ...
+    load_quantized(fresh_transformer, "flux-fp8.safetensors")   # same layers, no re-quantizing
+
+The model stays an ordinary ``nn.Module`` (a ``ModelMixin`` stays one): only
+its ``nn.Linear`` children are replaced by
+:class:`omni_kernels.quant.QuantizedLinear`, whose ``state_dict`` holds
+``qweight`` (8-bit), ``weight_scale`` (float32, per output channel) and ``bias``.
+
+Which layers are quantized (:func:`plan_quantization`), for each ``nn.Linear`` by name:
+
+1. a ``skip`` pattern matches the layer or one of its parents (``fnmatch``,
+   ``*`` crosses dots: ``"time_text_embed"`` keeps every linear under it,
+   ``"*.proj_out"`` every block's ``proj_out``) -> kept in full precision;
+2. ``include`` is given and no pattern matches it -> kept;
+3. ``min(in_features, out_features) < min_features`` -> kept (too small to gain);
+4. ``in_features`` or ``out_features`` not a multiple of 16 (what
+   ``torch._scaled_mm`` and every 8-bit tensor-core GEMM here needs) -> kept,
+   with the reason logged; an error instead when an ``include`` pattern names
+   the layer (the caller asked for that very layer);
+5. otherwise quantized.
+
+A ``skip`` or ``include`` pattern that matches no module at all raises
+``ValueError`` (a typo would otherwise silently quantize a layer meant to stay
+bf16). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
+empty): which layers of Flux, SD3, Wan or Qwen-Image stay in full precision is
+measured per family and passed in by the caller (the runtime's model adapters).
+Typical choices keep the input embedders, the timestep/text embedders and the
+final projection (``proj_out``) in bf16.
+
+FP8 needs FP8 tensor cores (CUDA compute capability >= 8.9): :func:`quantize`
+raises ``RuntimeError`` for an FP8 method on a model that sits on an older GPU;
+a model quantized on CPU and moved to such a GPU raises ``ValueError`` at its
+first forward, with the same explanation. On CPU every method runs (torch's CPU
+kernels: for tests and reference only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omni_kernels.quant import (
+    LINEAR_BACKENDS,
+    QUANT_METHODS,
+    QUANTIZE_BACKENDS,
+    SCALED_MM_ALIGNMENT,
+    QuantizedLinear,
+    fp8_unsupported_reason,
+)
+
+logger = logging.getLogger(__name__)
+
+# No model-specific defaults here: callers (the runtime's model adapters) pass the measured
+# skip list of their model family.
+DEFAULT_SKIP: tuple[str, ...] = ()
+_FORMAT = "omni-quant/1"
+_METADATA_FORMAT_KEY = "omni_quant_format"
+_METADATA_LAYERS_KEY = "omni_quant_layers"
+_METADATA_CONFIG_KEY = "omni_quant_config"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How :func:`quantize` quantizes a model; validated on construction (``ValueError``).
+
+    Attributes:
+        method: ``"fp8"`` (FP8 e4m3 weights and per-token activations, W8A8),
+            ``"int8"`` (INT8 W8A8), ``"fp8_weight_only"`` or ``"int8_weight_only"``
+            (8-bit weights, activations as they are: saves memory, not compute).
+        skip: ``fnmatch`` patterns of module names kept in full precision (a
+            pattern naming a parent keeps all linears under it). Default: none.
+        include: ``None`` (every ``nn.Linear``) or patterns naming the only
+            layers to quantize; a named layer the kernels cannot take is an error.
+        min_features: layers whose ``min(in_features, out_features)`` is below
+            this stay in full precision. Default 0 (callers pass the measured
+            per-family value).
+        backend: GEMM backend of the quantized layers: ``"auto"``, ``"aten"``,
+            ``"triton"`` or ``"torch"`` (see :mod:`omni_kernels.quant.linear`).
+        activation_backend: activation quantization backend: ``"auto"``,
+            ``"cuda"``, ``"triton"`` or ``"torch"``.
+        clamp: ``None``, or clip activations to ``[-clamp, clamp]`` before their
+            per-token scale is taken (W8A8 only).
+        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` for FP8 W8A8.
+    """
+
+    method: str = "fp8"
+    skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
+    include: tuple[str, ...] | None = None
+    min_features: int = 0
+    backend: str = "auto"
+    activation_backend: str = "auto"
+    clamp: float | None = None
+    fast_accum: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"QuantConfig.method must be one of {QUANT_METHODS}; got {self.method!r}")
+        object.__setattr__(self, "skip", _patterns("skip", self.skip))
+        if self.include is not None:
+            object.__setattr__(self, "include", _patterns("include", self.include))
+        if isinstance(self.min_features, bool) or not isinstance(self.min_features, int) or self.min_features < 0:
+            raise ValueError(f"QuantConfig.min_features must be an int >= 0; got {self.min_features!r}")
+        if self.backend not in LINEAR_BACKENDS:
+            raise ValueError(f"QuantConfig.backend must be one of {LINEAR_BACKENDS}; got {self.backend!r}")
+        if self.activation_backend not in QUANTIZE_BACKENDS:
+            raise ValueError(
+                f"QuantConfig.activation_backend must be one of {QUANTIZE_BACKENDS}; "
+                f"got {self.activation_backend!r}"
+            )
+        if self.clamp is not None:
+            if isinstance(self.clamp, bool) or not isinstance(self.clamp, (int, float)) or not (
+                math.isfinite(self.clamp) and self.clamp > 0
+            ):
+                raise ValueError(f"QuantConfig.clamp must be None or a finite number > 0; got {self.clamp!r}")
+            object.__setattr__(self, "clamp", float(self.clamp))
+        if not isinstance(self.fast_accum, bool):
+            raise ValueError(f"QuantConfig.fast_accum must be True or False; got {self.fast_accum!r}")
+
+    @property
+    def weight_only(self) -> bool:
+        return self.method.endswith("_weight_only")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuantConfig:
+        """Build from a plain dict (e.g. parsed JSON/YAML); unknown keys raise ``ValueError``."""
+        if isinstance(data, QuantConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"QuantConfig.from_dict needs a dict; got {type(data).__name__}")
+        allowed = tuple(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ValueError(f"QuantConfig: unknown field(s) {unknown}; allowed fields are {allowed}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        """A JSON-serializable dict that :meth:`from_dict` turns back into this config."""
+        data = dataclasses.asdict(self)
+        data["skip"] = list(self.skip)
+        data["include"] = list(self.include) if self.include is not None else None
+        return data
+
+    def layer_options(self) -> dict:
+        """The :class:`QuantizedLinear` keyword options this config sets."""
+        return dict(
+            backend=self.backend, activation_backend=self.activation_backend, clamp=self.clamp,
+            fast_accum=self.fast_accum,
+        )
+
+
+def _patterns(name: str, value) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"QuantConfig.{name} must be a list or tuple of fnmatch patterns (strings); got {value!r}"
+        )
+    for pattern in value:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"QuantConfig.{name} patterns must be non-empty strings; got {pattern!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What :func:`quantize` does with one ``nn.Linear``: ``action`` is ``"quantize"`` or ``"keep"``."""
+
+    name: str
+    action: str
+    reason: str
+    in_features: int
+    out_features: int
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """True when ``pattern`` matches ``name`` or one of its parents (``a.b`` for ``a.b.c``)."""
+    parts = name.split(".") if name else [""]
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def _unmatched(patterns, names) -> list[str]:
+    return [p for p in patterns if not any(_matches(n, p) for n in names)]
+
+
+def _shape_problem(linear: nn.Linear) -> str | None:
+    bad = [
+        f"{what}={value}"
+        for what, value in (("in_features", linear.in_features), ("out_features", linear.out_features))
+        if value % SCALED_MM_ALIGNMENT
+    ]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {SCALED_MM_ALIGNMENT} (8-bit GEMMs need it)"
+    return None
+
+
+def plan_quantization(module: nn.Module, config: QuantConfig) -> list[LayerPlan]:
+    """The decision for every ``nn.Linear`` of ``module``, in module order (see the module docstring).
+
+    Raises:
+        ValueError: a ``skip``/``include`` pattern matches no module, or an
+            ``include``d layer has a shape the kernels cannot take.
+    """
+    config = QuantConfig.from_dict(config)
+    all_names = [name for name, _ in module.named_modules()]
+    model = type(module).__name__
+    for field_name, patterns in (("skip", config.skip), ("include", config.include or ())):
+        missing = _unmatched(patterns, all_names)
+        if missing:
+            examples = ", ".join(repr(n) for n in all_names[1:6])
+            raise ValueError(
+                f"QuantConfig.{field_name} pattern(s) {missing} match no module of {model} "
+                f"(module names look like {examples}, ...)"
+            )
+    plans = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        sizes = dict(in_features=child.in_features, out_features=child.out_features)
+        skip = next((p for p in config.skip if _matches(name, p)), None)
+        if skip is not None:
+            plans.append(LayerPlan(name, "keep", f"matches skip pattern {skip!r}", **sizes))
+            continue
+        included = None
+        if config.include is not None:
+            included = next((p for p in config.include if _matches(name, p)), None)
+            if included is None:
+                plans.append(LayerPlan(name, "keep", "matches no include pattern", **sizes))
+                continue
+        smallest = min(child.in_features, child.out_features)
+        if smallest < config.min_features:
+            plans.append(LayerPlan(name, "keep", f"min(in, out) = {smallest} < min_features {config.min_features}", **sizes))
+            continue
+        problem = _shape_problem(child)
+        if problem is not None:
+            if included is not None:
+                raise ValueError(
+                    f"layer {name!r} of {model} (named by include pattern {included!r}) cannot be "
+                    f"quantized: {problem}"
+                )
+            plans.append(LayerPlan(name, "keep", problem, **sizes))
+            continue
+        if not child.weight.is_floating_point():
+            plans.append(LayerPlan(name, "keep", f"weight dtype {child.weight.dtype} is not floating point", **sizes))
+            continue
+        plans.append(LayerPlan(name, "quantize", config.method, **sizes))
+    return plans
+
+
+def _check_hardware(module: nn.Module, plans: list[LayerPlan], config: QuantConfig) -> None:
+    if not config.method.startswith("fp8"):
+        return
+    devices = {module.get_submodule(p.name).weight.device for p in plans if p.action == "quantize"}
+    for device in sorted(devices, key=str):
+        reason = fp8_unsupported_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"QuantConfig.method={config.method!r}: {reason}")
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def quantize(module: nn.Module, config: QuantConfig | dict | None = None) -> nn.Module:
+    """Quantize the ``nn.Linear`` layers of ``module`` in place; returns ``module``.
+
+    Each chosen layer (:func:`plan_quantization`) is replaced by a
+    :class:`QuantizedLinear` on the layer's device, its weight quantized per
+    output channel and the full-precision weight released. ``config`` is a
+    :class:`QuantConfig`, a dict for :meth:`QuantConfig.from_dict`, or ``None``
+    (FP8, nothing skipped). If ``module`` is itself an ``nn.Linear``, the
+    replacement is returned (it cannot be swapped in place).
+
+    Raises:
+        ValueError: a bad config, a pattern that matches no module, an included
+            layer the kernels cannot take.
+        RuntimeError: an FP8 method for a model on a GPU without FP8 tensor cores.
+    """
+    config = QuantConfig() if config is None else QuantConfig.from_dict(config)
+    plans = plan_quantization(module, config)
+    _check_hardware(module, plans, config)
+    options = config.layer_options()
+    replaced = None
+    for plan in plans:
+        if plan.action != "quantize":
+            logger.debug("quantize: keeping %s (%d -> %d) in full precision: %s",
+                         plan.name or "<root>", plan.in_features, plan.out_features, plan.reason)
+            continue
+        linear = module.get_submodule(plan.name)
+        with torch.no_grad():
+            new = QuantizedLinear.from_linear(linear, config.method, **options)
+        new.train(linear.training)
+        if plan.name:
+            _replace(module, plan.name, new)
+        else:
+            replaced = new
+    kept = [p for p in plans if p.action == "keep"]
+    logger.info(
+        "quantize: %s: %d of %d linear layers to %s; %d kept in full precision%s",
+        type(module).__name__, len(plans) - len(kept), len(plans), config.method, len(kept),
+        (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
+        if kept else "",
+    )
+    return replaced if replaced is not None else module
+
+
+def quantized_layers(module: nn.Module) -> dict[str, str]:
+    """``{name: method}`` of the :class:`QuantizedLinear` layers of ``module``."""
+    return {name: m.method for name, m in module.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConfig | dict | None = None) -> None:
+    """Write ``module``'s whole ``state_dict`` (quantized and full-precision parts) to a safetensors file.
+
+    The file's metadata records which layers are quantized and how (and
+    ``config``, when given), so :func:`load_quantized` rebuilds the same
+    layers without quantizing anything.
+    """
+    layers = quantized_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} has no quantized layers: call quantize() before save_quantized()")
+    from safetensors.torch import save_file
+
+    metadata = {_METADATA_FORMAT_KEY: _FORMAT, _METADATA_LAYERS_KEY: json.dumps(layers)}
+    if config is not None:
+        metadata[_METADATA_CONFIG_KEY] = json.dumps(QuantConfig.from_dict(config).to_dict())
+    tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    save_file(tensors, os.fspath(path), metadata=metadata)
+
+
+def load_quantized(
+    module: nn.Module,
+    path: str | os.PathLike,
+    config: QuantConfig | dict | None = None,
+    *,
+    device: str | torch.device | None = None,
+) -> nn.Module:
+    """Load a file written by :func:`save_quantized` into ``module`` (the unquantized skeleton).
+
+    The layers the file lists are replaced by :class:`QuantizedLinear` layers
+    (no weight is quantized: the stored 8-bit weights and scales are loaded as
+    they are), then the whole ``state_dict`` is loaded strictly, assigning the
+    file's tensors (so a skeleton on the ``meta`` device works and never
+    allocates the full-precision weights; non-persistent buffers, which no
+    ``state_dict`` holds, must then be materialized by the caller). ``device``: where the tensors go;
+    default the skeleton's device (CPU for ``meta``). ``config``: optional;
+    its method must match the file's, its backend options apply to the layers
+    (default: the options saved in the file, else the defaults).
+
+    Raises:
+        ValueError: not an omni quantized file, a config whose method differs,
+            a listed layer that is not an ``nn.Linear`` of ``module``, or keys
+            that do not match ``module``.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get(_METADATA_FORMAT_KEY) != _FORMAT or _METADATA_LAYERS_KEY not in metadata:
+        raise ValueError(f"{path} is not an omni quantized checkpoint (no {_METADATA_FORMAT_KEY!r} metadata)")
+    layers: dict[str, str] = json.loads(metadata[_METADATA_LAYERS_KEY])
+    saved_config = (
+        QuantConfig.from_dict(json.loads(metadata[_METADATA_CONFIG_KEY]))
+        if _METADATA_CONFIG_KEY in metadata else None
+    )
+    if config is not None:
+        config = QuantConfig.from_dict(config)
+        methods = sorted(set(layers.values()))
+        if methods != [config.method]:
+            raise ValueError(
+                f"QuantConfig.method={config.method!r} does not match {path}, whose layers are {methods}"
+            )
+    options = (config or saved_config or QuantConfig()).layer_options()
+
+    if device is None:
+        first = next(iter(module.parameters()), None)
+        device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+    device = torch.device(device)
+    model = type(module).__name__
+    targets = {}
+    for name in layers:  # every listed layer is checked before anything is replaced
+        try:
+            targets[name] = module.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path} quantizes layer {name!r}, which {model} does not have") from None
+        if not isinstance(targets[name], (nn.Linear, QuantizedLinear)):
+            raise ValueError(
+                f"{path} quantizes {name!r}, which is a {type(targets[name]).__name__} in {model}, not nn.Linear"
+            )
+    for name, method in layers.items():
+        layer = targets[name]
+        new = QuantizedLinear(
+            layer.in_features, layer.out_features, layer.bias is not None, method, device="meta", **options
+        )
+        new.train(layer.training)
+        _replace(module, name, new)
+
+    state = load_file(path, device=str(device))
+    result = module.load_state_dict(state, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"{path} does not match {model}: missing keys {result.missing_keys[:8]}, "
+            f"unexpected keys {result.unexpected_keys[:8]}"
+        )
+    return module

@@ -1,0 +1,64 @@
+"""FP8/INT8 quantization for DiT linear layers.
+
+* :func:`quantize_per_token`: per-token (per-row) dynamic activation
+  quantization to FP8 e4m3 or INT8, optionally fused with the RMSNorm or
+  LayerNorm and the adaLN modulation before a linear layer. Backends
+  ``"cuda"`` (``csrc/quant/``), ``"triton"`` (:mod:`.triton_kernel`),
+  ``"torch"`` (:mod:`.reference`).
+* :func:`quantize_weight`: per-output-channel weight quantization (once, at load time).
+* :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
+  ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
+  ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
+  ``"torch"`` (float32 reference).
+* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them.
+"""
+
+from omni_kernels.quant.dispatch import (
+    FP8_MIN_CAPABILITY,
+    QUANTIZE_BACKENDS,
+    fp8_unsupported_reason,
+    quantize_per_token,
+    supported_backends,
+)
+from omni_kernels.quant.linear import (
+    LINEAR_BACKENDS,
+    QUANT_METHODS,
+    SCALED_MM_ALIGNMENT,
+    QuantizedLinear,
+    quantize_weight,
+    quantized_linear,
+    scaled_mm,
+    weight_only_mm,
+)
+from omni_kernels.quant.reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_DTYPE,
+    INT8_MAX,
+    MIN_ABSMAX,
+    dequantize,
+    quantize_per_token_reference,
+)
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_MIN_CAPABILITY",
+    "INT8_DTYPE",
+    "INT8_MAX",
+    "LINEAR_BACKENDS",
+    "MIN_ABSMAX",
+    "QUANTIZE_BACKENDS",
+    "QUANT_METHODS",
+    "SCALED_MM_ALIGNMENT",
+    "QuantizedLinear",
+    "dequantize",
+    "fp8_unsupported_reason",
+    "quantize_per_token",
+    "quantize_per_token_reference",
+    "quantize_weight",
+    "quantized_linear",
+    "scaled_mm",
+    "supported_backends",
+    "weight_only_mm",
+]

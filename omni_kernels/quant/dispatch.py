@@ -1,0 +1,306 @@
+"""Argument checks and backend choice for :func:`quantize_per_token`.
+
+Each compiled backend is a ``torch.library`` op returning ``(q, scale)``:
+
+* ``torch.ops.omni_kernels.quantize_per_token`` — CUDA C++ (``csrc/quant``);
+  its fake implementation is registered here, its schema in ``csrc/torch_bindings.cpp``.
+* ``torch.ops.omni_kernels.quantize_per_token_triton`` — the Triton kernel.
+
+so ``torch.compile(fullgraph=True)`` traces through :func:`quantize_per_token`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from omni_kernels._extension import compiled_extension_error, has_compiled_extension
+from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels.quant.reference import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    NORM_KINDS,
+    QUANT_DTYPES,
+    quantize_per_token_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
+# Not yet measured on an H200 (bench/linear.py records both kernels' times): CUDA first, as for
+# the other per-row kernel (qk_rmsnorm_rope, per-head norm), where it won on host overhead.
+_AUTO_ORDER = ("cuda", "triton", "torch")
+_NORM_CODES = {None: 0, "rms": 1, "layer": 2}
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+# The CUDA kernel moves 16 bytes per thread and vector: 8 half-precision elements, and keeps a
+# row of up to 512 threads x 8 vectors x 8 elements in registers (csrc/quant/quant_params.h).
+_CUDA_VECTOR_ELEMENTS = 8
+_CUDA_MAX_ROW = 512 * 8 * 8
+# FP8 e4m3 conversions in hardware (and Triton's float8e4nv) need compute capability 8.9.
+FP8_MIN_CAPABILITY = (8, 9)
+_DTYPE_NAMES = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE, FP8_DTYPE: FP8_DTYPE, INT8_DTYPE: INT8_DTYPE}
+
+_logged_auto_choices: set[tuple] = set()
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device, cached (queried once per device, in eager code)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+def fp8_unsupported_reason(device: torch.device) -> str | None:
+    """Why FP8 cannot run on ``device`` (a CUDA GPU without FP8 tensor cores), else ``None``.
+
+    CPU tensors return ``None`` (torch's CPU FP8 paths are references). While
+    ``torch.compile`` traces, the check is skipped: it ran in eager code before
+    (:func:`omni_diffusion.quantization.quantize` checks the model's GPU).
+    """
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    capability = device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"FP8 needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); "
+            f"{device} is {name} with capability {capability[0]}.{capability[1]}. "
+            f"Use INT8 instead (method 'int8' or 'int8_weight_only')"
+        )
+    return None
+
+
+def resolve_quant_dtype(dtype) -> torch.dtype:
+    """``"fp8"``/``torch.float8_e4m3fn`` or ``"int8"``/``torch.int8`` -> the torch dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"dtype must be 'fp8' (torch.float8_e4m3fn) or 'int8' (torch.int8); got {dtype!r}"
+        ) from None
+
+
+@torch.library.custom_op("omni_kernels::quantize_per_token_triton", mutates_args=(), device_types=None)
+def _quantize_per_token_triton_op(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_bias: torch.Tensor | None,
+    mod_scale: torch.Tensor | None,
+    mod_shift: torch.Tensor | None,
+    norm: int,
+    eps: float,
+    clamp: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from omni_kernels.quant.triton_kernel import launch_quantize_per_token_triton
+
+    return launch_quantize_per_token_triton(
+        x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype
+    )
+
+
+def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype):
+    return (
+        x.new_empty(x.shape, dtype=out_dtype),
+        x.new_empty((x.shape[0], 1), dtype=torch.float32),
+    )
+
+
+_quantize_per_token_triton_op.register_fake(_fake_quantize)
+
+if has_compiled_extension():
+    torch.library.register_fake("omni_kernels::quantize_per_token")(_fake_quantize)
+
+
+def _check_arguments(x, qdtype, norm, norm_weight, norm_bias, eps, mod_scale, mod_shift, clamp):
+    """Raise ``ValueError`` naming the argument, its value and what is allowed."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x must be a tensor [..., K]; got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in QUANT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32; got {x.dtype}")
+    if norm not in NORM_KINDS:
+        raise ValueError(f"norm must be one of {NORM_KINDS}; got {norm!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0; got {eps}")
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be None or > 0; got {clamp}")
+    k = x.shape[-1]
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if t is None:
+            continue
+        if t.dim() != 1 or t.numel() != k:
+            raise ValueError(f"{name} must be 1-D with K={k} elements; got shape {tuple(t.shape)}")
+        if t.device != x.device or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor on {x.device}; got {t.dtype} on {t.device}")
+    rows = x.numel() // k if k else 0
+    groups = None
+    for name, t in (("mod_scale", mod_scale), ("mod_shift", mod_shift)):
+        if t is None:
+            continue
+        if t.shape[-1] != k or t.numel() == 0:
+            raise ValueError(f"{name} must be [G, K={k}] (one row per batch element); got {tuple(t.shape)}")
+        g = t.numel() // k
+        if rows % g:
+            raise ValueError(
+                f"{name} has {g} rows, which must divide the {rows} rows of x (x rows are grouped "
+                f"in order: row r uses {name}[r // (rows / G)]); got shape {tuple(t.shape)}"
+            )
+        if groups is not None and g != groups:
+            raise ValueError(f"mod_scale and mod_shift must have the same number of rows; got {groups} and {g}")
+        groups = g
+        if t.device != x.device or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor on {x.device}; got {t.dtype} on {t.device}")
+
+
+def _cuda_ineligible_reason(x2, qdtype, operands) -> str | None:
+    error = compiled_extension_error()
+    if error is not None:
+        return error
+    if x2.device.type != "cuda":
+        return f"the CUDA kernel needs CUDA tensors; got device {x2.device}"
+    if x2.dtype not in _CUDA_DTYPES:
+        return f"the CUDA kernel takes float16 or bfloat16; got {x2.dtype}"
+    k = x2.shape[1]
+    if k % _CUDA_VECTOR_ELEMENTS or k > _CUDA_MAX_ROW:
+        return (
+            f"the CUDA kernel needs K a multiple of {_CUDA_VECTOR_ELEMENTS} and at most "
+            f"{_CUDA_MAX_ROW}; got K={k}"
+        )
+    if x2.stride(0) % _CUDA_VECTOR_ELEMENTS:
+        return f"the CUDA kernel needs 16-byte aligned rows; got row stride {x2.stride(0)}"
+    if not torch.compiler.is_compiling() and x2.storage_offset() % _CUDA_VECTOR_ELEMENTS:
+        return f"the CUDA kernel needs x to start 16-byte aligned; got storage offset {x2.storage_offset()}"
+    for name, t in operands.items():
+        if t is not None and t.dtype not in (x2.dtype, torch.float32):
+            return f"the CUDA kernel takes {name} in {x2.dtype} or float32; got {t.dtype}"
+    return None
+
+
+def _triton_ineligible_reason(x2, qdtype) -> str | None:
+    reason = triton_unavailable_reason(x2.device)
+    if reason is not None:
+        return f"the Triton kernel cannot run: {reason}"
+    if x2.device.type == "cpu" and triton_interpreter_enabled():
+        if qdtype == FP8_DTYPE:
+            return "the Triton interpreter has no float8 (use backend='torch' on CPU)"
+        if x2.dtype == torch.bfloat16:
+            return "the Triton interpreter's bfloat16 is broken (use float16/float32 on CPU)"
+    if qdtype == FP8_DTYPE:
+        reason = fp8_unsupported_reason(x2.device)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _ineligible_reason(backend, x2, qdtype, operands) -> str | None:
+    if backend == "cuda":
+        return _cuda_ineligible_reason(x2, qdtype, operands)
+    if backend == "triton":
+        return _triton_ineligible_reason(x2, qdtype)
+    return None
+
+
+def supported_backends(x: torch.Tensor, dtype="int8") -> dict[str, str | None]:
+    """For each concrete backend, ``None`` if it can quantize ``x`` to ``dtype``, else why not."""
+    qdtype = resolve_quant_dtype(dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    return {b: _ineligible_reason(b, x2, qdtype, {}) for b in _AUTO_ORDER}
+
+
+def _as_table(t: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    # [B, K], [B, 1, K] (Wan), [K] -> [G, K] contiguous (small: one row per batch element).
+    return None if t is None else t.reshape(-1, k).contiguous()
+
+
+def quantize_per_token(
+    x: torch.Tensor,
+    dtype="fp8",
+    *,
+    norm: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    mod_scale: torch.Tensor | None = None,
+    mod_shift: torch.Tensor | None = None,
+    clamp: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row (token) of ``x`` to FP8 e4m3 or INT8 with its own scale.
+
+    Optionally normalizes and modulates first, in the same pass (the adaLN
+    pattern before a DiT linear layer: ``LayerNorm(x) * (1 + scale) + shift``);
+    see :mod:`omni_kernels.quant.reference` for the exact definition.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32; the rows are the leading dims.
+        dtype: ``"fp8"`` (``torch.float8_e4m3fn``) or ``"int8"`` (``torch.int8``).
+        norm: ``None``, ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm) over K.
+        norm_weight, norm_bias: optional ``[K]`` affine of the norm (any float dtype).
+        eps: the norm's epsilon.
+        mod_scale, mod_shift: optional adaLN modulation, ``[G, K]`` (or
+            ``[G, 1, K]``, ``[K]``): ``y * (1 + mod_scale) + mod_shift``, where the
+            rows of ``x`` are split into G equal consecutive groups (G = batch).
+        clamp: clip ``y`` to ``[-clamp, clamp]`` before the absolute maximum.
+        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``(q, scale)``: ``q`` of ``x``'s shape in the quantized dtype, ``scale``
+        ``[..., 1]`` float32, so that ``x ~= q * scale`` (after the norm/modulation).
+
+    Raises:
+        ValueError: a bad argument, an unknown backend, or a requested backend
+            that cannot take these inputs (the message names the constraint).
+    """
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend must be one of {QUANTIZE_BACKENDS}; got {backend!r}")
+    qdtype = resolve_quant_dtype(dtype)
+    _check_arguments(x, qdtype, norm, norm_weight, norm_bias, eps, mod_scale, mod_shift, clamp)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    mod_scale = _as_table(mod_scale, k)
+    mod_shift = _as_table(mod_shift, k)
+    norm_weight = norm_weight.contiguous() if norm_weight is not None else None
+    norm_bias = norm_bias.contiguous() if norm_bias is not None else None
+    operands = dict(norm_weight=norm_weight, norm_bias=norm_bias, mod_scale=mod_scale, mod_shift=mod_shift)
+
+    if backend == "auto":
+        reasons = {}
+        for candidate in _AUTO_ORDER:
+            reasons[candidate] = _ineligible_reason(candidate, x2, qdtype, operands)
+            if reasons[candidate] is None:
+                backend = candidate
+                break
+        key = (backend, x.device.type, x.dtype, qdtype)
+        if key not in _logged_auto_choices and not torch.compiler.is_compiling():
+            _logged_auto_choices.add(key)
+            skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
+            logger.info(
+                "quantize_per_token backend='auto' chose %r for %s %s -> %s%s",
+                backend, x.device.type, x.dtype, qdtype, f" (skipped {skipped})" if skipped else "",
+            )
+    else:
+        reason = _ineligible_reason(backend, x2, qdtype, operands)
+        if reason is not None:
+            raise ValueError(f"quantize_per_token backend={backend!r} cannot take these inputs: {reason}")
+
+    if backend == "torch":
+        q, scale = quantize_per_token_reference(
+            x2, qdtype, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
+            mod_scale=mod_scale, mod_shift=mod_shift, clamp=clamp,
+        )
+    else:
+        op = (
+            torch.ops.omni_kernels.quantize_per_token
+            if backend == "cuda"
+            else torch.ops.omni_kernels.quantize_per_token_triton
+        )
+        q, scale = op(
+            x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
+            float(clamp) if clamp is not None else 0.0, qdtype,
+        )
+    return q.reshape(*lead, k), scale.reshape(*lead, 1)

@@ -1,0 +1,450 @@
+"""Quantized linear layers: FP8/INT8 W8A8 and weight-only, with backend choice.
+
+Weights are quantized once, per output channel (:func:`quantize_weight`); a
+W8A8 layer quantizes its input per token on every call
+(:func:`omni_kernels.quant.quantize_per_token`) and multiplies the two 8-bit
+operands; a weight-only layer multiplies its input, as it is, with the
+dequantized weight. The GEMM backends:
+
+* ``"aten"``: torch's own kernels. FP8: ``torch._scaled_mm`` with row-wise
+  scales (``scale_a`` ``[M, 1]``, ``scale_b`` ``[1, N]`` float32), bias and
+  bfloat16 output fused (on CUDA it needs compute capability >= 8.9, a
+  bfloat16 output, ``K`` and ``N`` multiples of 16). INT8:
+  ``torch._int_mm`` (int32 result; on CUDA ``M > 16``, ``K`` and ``N``
+  multiples of 8) and the dequantization, bias and cast as separate torch
+  ops. Weight-only: the weight dequantized to the activation dtype
+  (``w_q * w_scale`` rounded once) and ``F.linear``.
+* ``"triton"``: omni's Triton GEMM (:mod:`.triton_gemm`), dequantization,
+  bias and cast fused in its epilogue; takes any shape.
+* ``"torch"``: the float32 reference (:mod:`.reference`), for tests; runs anywhere.
+
+``"auto"`` order (not yet measured on an H200; ``bench/linear.py`` measures
+every pair): FP8 W8A8: aten, triton, torch (CUTLASS row-wise FP8 is the
+fastest FP8 GEMM torch ships). INT8 W8A8: triton, aten, torch (``_int_mm``
+writes an int32 ``[M, N]`` that the separate epilogue reads again).
+Weight-only: triton first for ``M <= 64`` (reads 1 byte a weight), aten
+first above (cuBLAS at bfloat16 speed after one dequantization pass). On CPU:
+aten, then torch (the Triton interpreter is for tests; ask for it with
+``backend="triton"``).
+
+Every Triton launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
+(with a fake implementation), and the aten ops have their own, so
+``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels.quant.dispatch import (
+    QUANTIZE_BACKENDS,
+    fp8_unsupported_reason,
+    quantize_per_token,
+    resolve_quant_dtype,
+)
+from omni_kernels.quant.reference import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    quantize_weight_reference,
+    scaled_linear_reference,
+    weight_only_linear_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+LINEAR_BACKENDS = ("auto", "aten", "triton", "torch")
+QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
+_METHOD_DTYPES = {
+    "fp8": FP8_DTYPE,
+    "int8": INT8_DTYPE,
+    "fp8_weight_only": FP8_DTYPE,
+    "int8_weight_only": INT8_DTYPE,
+}
+# Weight-only layers with at most this many rows take the Triton GEMM first (memory-bound).
+_WEIGHT_ONLY_SMALL_M = 64
+# torch._scaled_mm on CUDA: K and N multiples of 16; torch._int_mm: M > 16, K and N multiples of 8.
+SCALED_MM_ALIGNMENT = 16
+_INT_MM_ALIGNMENT = 8
+_INT_MM_MIN_M = 17
+
+_logged_auto_choices: set[tuple] = set()
+
+
+# --------------------------------------------------------------------------- Triton op
+
+
+@torch.library.custom_op("omni_kernels::scaled_mm_triton", mutates_args=(), device_types=None)
+def _scaled_mm_triton_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    from omni_kernels.quant.triton_gemm import launch_scaled_gemm_triton
+
+    return launch_scaled_gemm_triton(a, b, a_scale, b_scale, bias, out_dtype)
+
+
+@_scaled_mm_triton_op.register_fake
+def _(a, b, a_scale, b_scale, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def quantize_weight(weight: torch.Tensor, dtype="fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel quantization of ``weight`` ``[N, K]`` (once, at load time).
+
+    Returns ``(w_q [N, K] contiguous, w_scale [N] float32)`` with
+    ``weight ~= w_q * w_scale[:, None]``; runs on the weight's device.
+    """
+    qdtype = resolve_quant_dtype(dtype)
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor [N, K]; got {weight.dtype} {tuple(weight.shape)}")
+    w_q, w_scale = quantize_weight_reference(weight.detach(), qdtype)
+    return w_q.contiguous(), w_scale.contiguous()
+
+
+# --------------------------------------------------------------------------- eligibility
+
+
+def _aten_w8a8_reason(x_q, w_q, out_dtype) -> str | None:
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if x_q.dtype == FP8_DTYPE:
+        if x_q.device.type == "cuda":
+            reason = fp8_unsupported_reason(x_q.device)
+            if reason is not None:
+                return reason
+            if out_dtype != torch.bfloat16:
+                return f"torch._scaled_mm with row-wise scales writes bfloat16 only; got out_dtype {out_dtype}"
+            if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
+                return (
+                    f"torch._scaled_mm needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
+                )
+        return None
+    if x_q.device.type == "cuda":
+        if m < _INT_MM_MIN_M:
+            return f"torch._int_mm on CUDA needs M > 16; got M={m}"
+        if k % _INT_MM_ALIGNMENT or n % _INT_MM_ALIGNMENT:
+            return f"torch._int_mm on CUDA needs K and N multiples of {_INT_MM_ALIGNMENT}; got K={k}, N={n}"
+    return None
+
+
+def _triton_reason(a, w_q, out_dtype) -> str | None:
+    reason = triton_unavailable_reason(a.device)
+    if reason is not None:
+        return f"the Triton GEMM cannot run: {reason}"
+    if a.device.type == "cpu" and triton_interpreter_enabled():
+        if FP8_DTYPE in (a.dtype, w_q.dtype):
+            return "the Triton interpreter has no float8 (use backend='torch' or 'aten' on CPU)"
+        if torch.bfloat16 in (a.dtype, out_dtype):
+            return "the Triton interpreter's bfloat16 is broken (use float16/float32 on CPU)"
+    if FP8_DTYPE in (a.dtype, w_q.dtype):
+        reason = fp8_unsupported_reason(a.device)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _aten_weight_only_reason(x, w_q) -> str | None:
+    if w_q.dtype == FP8_DTYPE:
+        return fp8_unsupported_reason(x.device)
+    return None
+
+
+def _auto_order(kind: str, device: torch.device, m: int) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return ("aten", "torch")
+    if kind == "fp8":
+        return ("aten", "triton", "torch")
+    if kind == "int8":
+        return ("triton", "aten", "torch")
+    return ("triton", "aten", "torch") if m <= _WEIGHT_ONLY_SMALL_M else ("aten", "triton", "torch")
+
+
+def _choose(kind, backend, reason_of, device, m, what):
+    """The backend to run: ``backend`` itself (``ValueError`` if it cannot), or the first eligible."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"backend must be one of {LINEAR_BACKENDS}; got {backend!r}")
+    if backend != "auto":
+        reason = reason_of(backend)
+        if reason is not None:
+            raise ValueError(f"{what} backend={backend!r} cannot take these inputs: {reason}")
+        return backend
+    reasons = {}
+    chosen = "torch"
+    for candidate in _auto_order(kind, device, m):
+        reasons[candidate] = reason_of(candidate)
+        if reasons[candidate] is None:
+            chosen = candidate
+            break
+    key = (what, kind, chosen, device.type, m <= _WEIGHT_ONLY_SMALL_M)
+    if key not in _logged_auto_choices and not torch.compiler.is_compiling():
+        _logged_auto_choices.add(key)
+        skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
+        logger.info(
+            "%s (%s) backend='auto' chose %r on %s%s", what, kind, chosen, device.type,
+            f" (skipped {skipped})" if skipped else "",
+        )
+    if chosen == "torch" and device.type == "cuda" and reasons:
+        # On a GPU the float32 reference is far too slow to be a silent fallback.
+        raise ValueError(
+            f"{what} ({kind}): no GPU backend can take these inputs: "
+            + "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
+        )
+    return chosen
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+
+def scaled_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: str = "auto",
+    fast_accum: bool = True,
+) -> torch.Tensor:
+    """W8A8 GEMM: ``(x_q * x_scale) @ (w_q * w_scale)^T + bias`` as ``[M, N]`` ``out_dtype``.
+
+    ``x_q`` ``[M, K]`` and ``w_q`` ``[N, K]`` both FP8 e4m3 or both INT8, row-major;
+    ``x_scale`` ``[M, 1]`` float32, ``w_scale`` ``[N]`` float32; ``bias`` ``[N]``.
+    ``fast_accum`` is ``torch._scaled_mm``'s ``use_fast_accum`` (FP8 on Hopper
+    accumulates in reduced precision between promotions; faster, slightly less exact).
+    """
+    if x_q.dim() != 2 or w_q.dim() != 2 or x_q.shape[1] != w_q.shape[1]:
+        raise ValueError(f"x_q [M, K] and w_q [N, K] must agree in K; got {tuple(x_q.shape)}, {tuple(w_q.shape)}")
+    if x_q.dtype != w_q.dtype or x_q.dtype not in (FP8_DTYPE, INT8_DTYPE):
+        raise ValueError(f"x_q and w_q must both be float8_e4m3fn or both int8; got {x_q.dtype}, {w_q.dtype}")
+    m, n = x_q.shape[0], w_q.shape[0]
+    if x_scale.numel() != m or w_scale.numel() != n:
+        raise ValueError(
+            f"x_scale must hold M={m} and w_scale N={n} values; got {tuple(x_scale.shape)}, {tuple(w_scale.shape)}"
+        )
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias must have N={n} elements; got {tuple(bias.shape)}")
+    kind = "fp8" if x_q.dtype == FP8_DTYPE else "int8"
+
+    def reason_of(candidate):
+        if candidate == "aten":
+            return _aten_w8a8_reason(x_q, w_q, out_dtype)
+        if candidate == "triton":
+            return _triton_reason(x_q, w_q, out_dtype)
+        return None
+
+    chosen = _choose(kind, backend, reason_of, x_q.device, m, "scaled_mm")
+    x_scale = x_scale.reshape(m, 1).float()
+    w_scale = w_scale.reshape(n).float()
+    if chosen == "torch":
+        return scaled_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    if chosen == "triton":
+        return torch.ops.omni_kernels.scaled_mm_triton(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    if kind == "fp8":
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, n),
+            bias=bias.to(out_dtype) if bias is not None else None,
+            out_dtype=out_dtype, use_fast_accum=fast_accum,
+        )
+    acc = torch._int_mm(x_q, w_q.t())
+    out = acc.to(torch.float32) * x_scale * w_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def weight_only_mm(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Weight-only GEMM: ``x @ (w_q * w_scale)^T + bias`` as ``[M, N]`` in ``x``'s dtype.
+
+    ``x`` ``[M, K]`` float16/bfloat16/float32; ``w_q`` ``[N, K]`` FP8 e4m3 or INT8;
+    ``w_scale`` ``[N]`` float32.
+    """
+    if x.dim() != 2 or w_q.dim() != 2 or x.shape[1] != w_q.shape[1]:
+        raise ValueError(f"x [M, K] and w_q [N, K] must agree in K; got {tuple(x.shape)}, {tuple(w_q.shape)}")
+    if w_q.dtype not in (FP8_DTYPE, INT8_DTYPE):
+        raise ValueError(f"w_q must be float8_e4m3fn or int8; got {w_q.dtype}")
+    m, n = x.shape[0], w_q.shape[0]
+    kind = "fp8_weight_only" if w_q.dtype == FP8_DTYPE else "int8_weight_only"
+
+    def reason_of(candidate):
+        if candidate == "aten":
+            return _aten_weight_only_reason(x, w_q)
+        if candidate == "triton":
+            return _triton_reason(x, w_q, x.dtype)
+        return None
+
+    chosen = _choose(kind, backend, reason_of, x.device, m, "weight_only_mm")
+    w_scale = w_scale.reshape(n).float()
+    if chosen == "torch":
+        return weight_only_linear_reference(x, w_q, w_scale, bias)
+    if chosen == "triton":
+        return torch.ops.omni_kernels.scaled_mm_triton(x, w_q, None, w_scale, bias, x.dtype)
+    # One pass dequantizes into x's dtype (the scale rounded to it: 2**-9 relative in bfloat16).
+    weight = w_q.to(x.dtype) * w_scale.to(x.dtype)[:, None]
+    return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    method: str,
+    *,
+    backend: str = "auto",
+    activation_backend: str = "auto",
+    clamp: float | None = None,
+    fast_accum: bool = True,
+) -> torch.Tensor:
+    """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
+
+    ``method`` is one of :data:`QUANT_METHODS`; W8A8 methods quantize ``x`` per
+    token first (with ``clamp`` and ``activation_backend``).
+    """
+    if method not in QUANT_METHODS:
+        raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if method.endswith("_weight_only"):
+        out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
+    else:
+        x_q, x_scale = quantize_per_token(x2, w_q.dtype, clamp=clamp, backend=activation_backend)
+        out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
+    return out.reshape(*lead, w_q.shape[0])
+
+
+# --------------------------------------------------------------------------- module
+
+
+class QuantizedLinear(nn.Module):
+    """A drop-in replacement of ``nn.Linear`` (inference only) holding an 8-bit weight.
+
+    State: ``qweight`` ``[out, in]`` (``torch.float8_e4m3fn`` or ``torch.int8``)
+    and ``weight_scale`` ``[out]`` float32 buffers, and ``bias`` (a parameter
+    without grad, in the model dtype) if the layer has one; these names are the
+    ``state_dict`` keys. ``module.to(dtype)`` / ``.half()`` convert the bias
+    only: the 8-bit weight and its float32 scales keep their dtypes.
+
+    Output dtype = input dtype. W8A8 methods (``"fp8"``, ``"int8"``) quantize
+    the input per token on every call; weight-only methods do not.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        method: str = "fp8",
+        *,
+        device=None,
+        dtype: torch.dtype | None = None,
+        backend: str = "auto",
+        activation_backend: str = "auto",
+        clamp: float | None = None,
+        fast_accum: bool = True,
+    ) -> None:
+        super().__init__()
+        if method not in QUANT_METHODS:
+            raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
+        if backend not in LINEAR_BACKENDS:
+            raise ValueError(f"backend must be one of {LINEAR_BACKENDS}; got {backend!r}")
+        if activation_backend not in QUANTIZE_BACKENDS:
+            raise ValueError(f"activation_backend must be one of {QUANTIZE_BACKENDS}; got {activation_backend!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.method = method
+        self.backend = backend
+        self.activation_backend = activation_backend
+        self.clamp = clamp
+        self.fast_accum = fast_accum
+        qdtype = _METHOD_DTYPES[method]
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(out_features, dtype=dtype or torch.float32, device=device), requires_grad=False
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str, **options) -> QuantizedLinear:
+        """Quantize ``linear``'s weight per output channel into a new module on its device."""
+        weight = linear.weight
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, method,
+            device=weight.device, dtype=weight.dtype, **options,
+        )
+        q, scale = quantize_weight(weight, _METHOD_DTYPES[method])
+        module.qweight.copy_(q)
+        module.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    @property
+    def weight_only(self) -> bool:
+        return self.method.endswith("_weight_only")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(
+            x, self.qweight, self.weight_scale, self.bias, self.method, backend=self.backend,
+            activation_backend=self.activation_backend, clamp=self.clamp, fast_accum=self.fast_accum,
+        )
+
+    def forward_quantized(
+        self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """W8A8 on an input already quantized (``[..., K]`` and ``[..., 1]``), e.g. by a
+        norm/adaLN-fused :func:`~omni_kernels.quant.quantize_per_token`, which then
+        replaces this layer's own quantization pass."""
+        if self.weight_only:
+            raise ValueError(f"forward_quantized needs a W8A8 method; this layer is {self.method!r}")
+        if x_q.dtype != self.qweight.dtype:
+            raise ValueError(f"x_q must be {self.qweight.dtype} for method {self.method!r}; got {x_q.dtype}")
+        lead, k = x_q.shape[:-1], x_q.shape[-1]
+        out = scaled_mm(
+            x_q.reshape(-1, k), x_scale.reshape(-1, 1), self.qweight, self.weight_scale, self.bias,
+            out_dtype, backend=self.backend, fast_accum=self.fast_accum,
+        )
+        return out.reshape(*lead, self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``qweight * weight_scale[:, None]`` in ``dtype`` (for inspection and tests)."""
+        return (self.qweight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(dtype) converts every floating-point tensor, and float8 counts as one:
+        # keep the 8-bit weight and the float32 scales in their dtypes (only devices change).
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, method={self.method!r}, backend={self.backend!r}"
+        )

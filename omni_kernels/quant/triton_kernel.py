@@ -1,0 +1,248 @@
+"""Triton kernel for per-token activation quantization, optionally fused with a norm and adaLN.
+
+The operation is defined by :mod:`omni_kernels.quant.reference`; this is the
+``backend="triton"`` path of :func:`omni_kernels.quant.quantize_per_token`,
+reached through the custom op ``torch.ops.omni_kernels.quantize_per_token_triton``.
+
+One program per row (token). When the row fits one register tile
+(``K <= _MAX_TILE``, every DiT width up to Flux's 15360), the row is loaded
+once and kept in registers: the mean, the variance (two-pass, exact), the
+absolute maximum and the quantized values all come from the same registers, so
+HBM sees one read of ``x`` and one write of ``q``. Longer rows loop over chunks
+and re-read them (from L2) for each pass.
+
+Rounding: FP8 through Triton's float32 -> e4m3 conversion (round to nearest
+even; the value is clamped to +-448 first), INT8 through ``rint`` (round half
+to even, as ``torch.round``). Under the interpreter ``rint`` is computed with
+``floor`` (libdevice has no interpreter implementation); the interpreter has no
+FP8 either, so there the kernel produces INT8 only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels.quant.reference import FP8_DTYPE, MIN_ABSMAX, qmax_of
+
+try:  # triton >= 3.0
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older triton
+    libdevice = None
+
+# Rows up to this many elements stay in registers (one tile per program).
+_MAX_TILE = 16384
+# Chunk length when a row is longer than _MAX_TILE.
+_CHUNK = 4096
+
+NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
+_NORM_CODES = {None: NORM_NONE, "rms": NORM_RMS, "layer": NORM_LAYER}
+
+
+@triton.jit
+def _round_half_even(v, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.rint(v)
+    else:
+        # floor(v + 0.5), moved down by one at exact ties that landed on an odd value.
+        r = tl.floor(v + 0.5)
+        tie = (r - v) == 0.5
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _inv_sqrt(v):
+    """``1 / sqrt(v)``, both correctly rounded, as the reference computes it."""
+    root = tl.sqrt_rn(v)
+    return tl.math.div_rn(root * 0.0 + 1.0, root)  # a 1.0 of root's (scalar tensor) type
+
+
+@triton.jit
+def _transform(
+    x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row, clamp_val,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
+):
+    """``y`` of the reference from float32 ``x`` given the row's ``mean``/``rstd``."""
+    if NORM == 2:
+        y = (x - mean) * rstd
+    elif NORM == 1:
+        y = x * rstd
+    else:
+        y = x
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MOD_SCALE:
+        y = y * (1.0 + tl.load(ms_ptr + mod_row + cols, mask=mask, other=0.0).to(tl.float32))
+    if HAS_MOD_SHIFT:
+        y = y + tl.load(mt_ptr + mod_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CLAMP:
+        y = tl.minimum(tl.maximum(y, -clamp_val), clamp_val)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _quantize_store(y, inv, q_ptr, cols, mask, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+                    USE_LIBDEVICE: tl.constexpr):
+    v = tl.minimum(tl.maximum(y * inv, -QMAX), QMAX)
+    if IS_INT8:
+        v = _round_half_even(v, USE_LIBDEVICE)
+    tl.store(q_ptr + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_per_token_kernel(
+    x_ptr, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
+    K, x_row_stride, q_row_stride, mod_row_stride, rows_per_group,
+    eps, clamp_val,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    q_row = q_ptr + row * q_row_stride
+    mod_row = (row // rows_per_group) * mod_row_stride
+    kf = K * 1.0
+    if SINGLE_TILE:
+        cols = tl.arange(0, BLOCK_K)
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = 0.0
+        rstd = 1.0
+        if NORM == 2:
+            mean = tl.math.div_rn(tl.sum(x, axis=0), kf)
+            d = tl.where(mask, x - mean, 0.0)
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(d * d, axis=0), kf) + eps)
+        elif NORM == 1:
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(x * x, axis=0), kf) + eps)
+        y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row, clamp_val,
+                       NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX)
+        tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
+        inv = tl.math.div_rn(QMAX, amax)
+        _quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
+    else:
+        # Long rows: one pass per statistic, each re-reading the row (from L2).
+        mean = 0.0
+        rstd = 1.0
+        if NORM == 2:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                acc += tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            mean = tl.math.div_rn(tl.sum(acc, axis=0), kf)
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                mask = cols < K
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                d = tl.where(mask, x - mean, 0.0)
+                acc += d * d
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(acc, axis=0), kf) + eps)
+        elif NORM == 1:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(acc, axis=0), kf) + eps)
+        amax_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = cols < K
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row,
+                           clamp_val, NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
+            amax_acc = tl.maximum(amax_acc, tl.abs(y))
+        amax = tl.maximum(tl.max(amax_acc, axis=0), MIN_AMAX)
+        tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
+        inv = tl.math.div_rn(QMAX, amax)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = cols < K
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row,
+                           clamp_val, NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
+            _quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
+    """``(BLOCK_K, SINGLE_TILE, num_warps)``: about 16 values a thread, 1 to 8 warps."""
+    if k <= max_tile:
+        block = max(16, _next_power_of_2(k))
+        return block, True, max(1, min(8, block // 512))
+    return _CHUNK, False, 8
+
+
+def launch_quantize_per_token_triton(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_bias: torch.Tensor | None,
+    mod_scale: torch.Tensor | None,
+    mod_shift: torch.Tensor | None,
+    norm: int,
+    eps: float,
+    clamp: float,
+    out_dtype: torch.dtype,
+    *,
+    max_tile: int = _MAX_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the rows of ``x`` ``[M, K]``; returns ``(q [M, K], scale [M, 1] float32)``.
+
+    Arguments are validated by :func:`omni_kernels.quant.quantize_per_token`:
+    ``x`` has unit column stride; ``norm_weight``/``norm_bias`` are ``[K]``;
+    ``mod_scale``/``mod_shift`` are ``[G, K]`` with ``M % G == 0`` (copied to
+    contiguous if they are not: they are small); ``norm`` is 0 (none), 1 (RMS) or 2 (LayerNorm); ``clamp``
+    <= 0 means no clamp. ``max_tile`` exists for tests of the chunked path.
+    """
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        scale.fill_(MIN_ABSMAX / qmax_of(out_dtype))
+        return q, scale
+    block, single, num_warps = _launch_config(k, max_tile)
+    norm_weight = norm_weight.contiguous() if norm_weight is not None else None
+    norm_bias = norm_bias.contiguous() if norm_bias is not None else None
+    mod_scale = mod_scale.contiguous() if mod_scale is not None else None
+    mod_shift = mod_shift.contiguous() if mod_shift is not None else None
+    mod = mod_scale if mod_scale is not None else mod_shift
+    groups = mod.shape[0] if mod is not None else 1
+    dummy = scale  # an unused pointer argument still needs a tensor; never dereferenced
+    _quantize_per_token_kernel[(m,)](
+        x, q, scale,
+        norm_weight if norm_weight is not None else dummy,
+        norm_bias if norm_bias is not None else dummy,
+        mod_scale if mod_scale is not None else dummy,
+        mod_shift if mod_shift is not None else dummy,
+        k, x.stride(0), q.stride(0), k, m // groups,
+        float(eps), float(clamp),
+        NORM=int(norm),
+        HAS_W=norm_weight is not None,
+        HAS_B=norm_bias is not None,
+        HAS_MOD_SCALE=mod_scale is not None,
+        HAS_MOD_SHIFT=mod_shift is not None,
+        HAS_CLAMP=clamp > 0,
+        QMAX=qmax_of(out_dtype),
+        IS_INT8=out_dtype != FP8_DTYPE,
+        MIN_AMAX=MIN_ABSMAX,
+        USE_LIBDEVICE=libdevice is not None and not triton_interpreter_enabled(),
+        BLOCK_K=block,
+        SINGLE_TILE=single,
+        num_warps=num_warps,
+    )
+    return q, scale

@@ -1,0 +1,484 @@
+"""Tests of :mod:`omni_diffusion.quantization`: config, layer plan, module swap, save/load, errors.
+
+CPU part (CI): the swap on tiny diffusers transformers (Flux, SD3, Wan 2.1,
+Qwen-Image) in float32, whose output stays within a stated tolerance of the
+unquantized model; save/load through safetensors (into a fresh skeleton, a
+``meta`` skeleton, and through ``quantize`` + ``load_state_dict``); bad
+configs, unknown layer names, unquantizable shapes and FP8 on a GPU without
+FP8 tensor cores raise.
+
+GPU part (``-m gpu``): a Flux-shaped full transformer (Flux.1 widths, random
+bf16 weights, 1024^2: 4096 image + 512 text tokens) whose FP8 step is within
+3% relative L2 of its bf16 step, and whose quantized weights take <= 55% of
+the bf16 model's memory.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+pytest.importorskip("safetensors")
+
+import omni_kernels.quant.dispatch as quant_dispatch  # noqa: E402
+from omni_diffusion import quantization as Q  # noqa: E402
+from omni_diffusion.quantization import (  # noqa: E402
+    DEFAULT_SKIP,
+    QuantConfig,
+    load_quantized,
+    plan_quantization,
+    quantize,
+    quantized_layers,
+    save_quantized,
+)
+from omni_kernels.quant import QuantizedLinear  # noqa: E402
+
+# Relative L2 error of the whole tiny transformer's output against the unquantized float32
+# model, with every linear layer quantized (embedders and final projection included, so the
+# error is the largest it gets). Measured (seed 0; SD3's is lowest, Qwen-Image's highest):
+# FP8 W8A8 0.7-5.0%, INT8 W8A8 0.2-1.0%, FP8 weight-only 0.5-3.8%, INT8 weight-only 0.1-0.6%.
+# The bounds leave 2x room: FP8 e4m3 rounds each operand to 3 mantissa bits (up to 2**-4
+# relative), INT8 to 1/127 of the row/channel maximum, and the errors of ~20 layers of width
+# 32 (few terms to average over) compound through the residual connections.
+MODEL_TOLERANCE = {"fp8": 0.10, "int8": 0.02, "fp8_weight_only": 0.08, "int8_weight_only": 0.015}
+# Fast CPU paths: torch's CPU kernels for the GEMMs, the reference for activations.
+CPU_OPTIONS = dict(backend="aten", activation_backend="torch")
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# --------------------------------------------------------------------------- tiny models
+
+
+def _tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 16, generator=gen),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
+        pooled_projections=torch.randn(1, 32, generator=gen),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.randn(16, 3, generator=gen),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+def _tiny_sd3():
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, caption_projection_dim=32, joint_attention_dim=32,
+        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16,
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 8, 8, generator=gen),
+        encoder_hidden_states=torch.randn(1, 6, 32, generator=gen),
+        pooled_projections=torch.randn(1, 32, generator=gen),
+        timestep=torch.tensor([3.0]),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+def _tiny_wan():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=1, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 2, 8, 8, generator=gen),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 6, 32, generator=gen),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+def _tiny_qwen_image():
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 4, 4),
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 16, generator=gen),
+        encoder_hidden_states=torch.randn(1, 6, 32, generator=gen),
+        encoder_hidden_states_mask=torch.ones(1, 6),
+        timestep=torch.tensor([0.5]),
+        img_shapes=[(1, 4, 4)],
+        return_dict=False,
+    )
+    return model, inputs
+
+
+TINY_MODELS = {"flux": _tiny_flux, "sd3": _tiny_sd3, "wan": _tiny_wan, "qwen_image": _tiny_qwen_image}
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def _linears(model):
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+# =========================================================================== QuantConfig
+
+
+def test_config_defaults_and_round_trip():
+    config = QuantConfig()
+    assert config.method == "fp8" and config.skip == DEFAULT_SKIP == () and config.include is None
+    assert config.min_features == 0 and config.backend == "auto" and not config.weight_only
+    custom = QuantConfig(method="int8_weight_only", skip=["proj_out", "*.norm*"], min_features=256, clamp=8)
+    assert custom.skip == ("proj_out", "*.norm*") and custom.clamp == 8.0 and custom.weight_only
+    assert QuantConfig.from_dict(custom.to_dict()) == custom
+    assert QuantConfig.from_dict({"method": "int8"}) == QuantConfig(method="int8")
+
+
+BAD_CONFIGS = [
+    ("method", dict(method="fp4"), r"QuantConfig\.method must be one of \('fp8', 'int8', 'fp8_weight_only', 'int8_weight_only'\); got 'fp4'"),
+    ("skip_str", dict(skip="proj_out"), r"QuantConfig\.skip must be a list or tuple of fnmatch patterns"),
+    ("skip_item", dict(skip=["ok", 3]), r"QuantConfig\.skip patterns must be non-empty strings; got 3"),
+    ("include_empty", dict(include=[""]), r"QuantConfig\.include patterns must be non-empty strings"),
+    ("min_features", dict(min_features=-1), r"QuantConfig\.min_features must be an int >= 0; got -1"),
+    ("min_features_float", dict(min_features=1.5), r"QuantConfig\.min_features must be an int"),
+    ("backend", dict(backend="cublas"), r"QuantConfig\.backend must be one of \('auto', 'aten', 'triton', 'torch'\)"),
+    ("activation_backend", dict(activation_backend="aten"), r"QuantConfig\.activation_backend must be one of"),
+    ("clamp", dict(clamp=0), r"QuantConfig\.clamp must be None or a finite number > 0; got 0"),
+    ("clamp_inf", dict(clamp=float("inf")), r"QuantConfig\.clamp must be None or a finite number > 0"),
+    ("fast_accum", dict(fast_accum="yes"), r"QuantConfig\.fast_accum must be True or False"),
+]
+
+
+@pytest.mark.parametrize("change,match", [pytest.param(c, m, id=n) for n, c, m in BAD_CONFIGS])
+def test_bad_config_raises_naming_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**change)
+    with pytest.raises(ValueError, match=match):
+        QuantConfig.from_dict(change)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['skip_layers'\]; allowed fields are \('method'"):
+        QuantConfig.from_dict({"method": "fp8", "skip_layers": ["proj_out"]})
+    with pytest.raises(ValueError, match=r"needs a dict"):
+        QuantConfig.from_dict("fp8")
+
+
+# =========================================================================== plan
+
+
+def test_plan_skip_include_and_min_features():
+    model, _ = _tiny_flux()
+    config = QuantConfig(skip=("time_text_embed", "*.proj_out", "proj_out", "x_embedder"))
+    plans = {p.name: p for p in plan_quantization(model, config)}
+    assert set(plans) == set(_linears(model))
+    # A parent name keeps every linear under it; "*" crosses dots.
+    assert plans["time_text_embed.timestep_embedder.linear_1"].action == "keep"
+    assert "'time_text_embed'" in plans["time_text_embed.text_embedder.linear_2"].reason
+    assert plans["single_transformer_blocks.0.proj_out"].action == "keep"
+    assert plans["proj_out"].action == "keep" and plans["x_embedder"].action == "keep"
+    assert plans["transformer_blocks.0.attn.to_q"].action == "quantize"
+
+    only_attention = {p.name: p for p in plan_quantization(model, QuantConfig(include=("*.attn",)))}
+    assert only_attention["transformer_blocks.0.attn.to_out.0"].action == "quantize"
+    assert only_attention["transformer_blocks.0.ff.net.2"].reason == "matches no include pattern"
+
+    small = {p.name: p for p in plan_quantization(model, QuantConfig(min_features=64))}
+    assert small["transformer_blocks.0.attn.to_q"].action == "keep"  # 32 -> 32
+    assert "min(in, out) = 32 < min_features 64" in small["transformer_blocks.0.attn.to_q"].reason
+    assert small["transformer_blocks.0.ff.net.0.proj"].action == "keep"  # 32 -> 128: min is 32
+
+
+def test_pattern_matching_no_module_raises():
+    model, _ = _tiny_flux()
+    with pytest.raises(ValueError, match=r"QuantConfig\.skip pattern\(s\) \['proj_outt'\] match no module of FluxTransformer2DModel"):
+        quantize(model, QuantConfig(skip=("proj_outt",)))
+    with pytest.raises(ValueError, match=r"QuantConfig\.include pattern\(s\) \['blocks\.\*'\] match no module"):
+        quantize(model, QuantConfig(include=("blocks.*",)))
+    # Nothing was swapped by the failed calls.
+    assert not quantized_layers(model)
+
+
+class _Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.good = nn.Linear(32, 64)
+        self.odd = nn.Linear(20, 32)  # in_features not a multiple of 16
+
+    def forward(self, x):
+        return self.good(x)
+
+
+def test_unquantizable_shape_is_kept_or_raises_when_named():
+    module = _Odd()
+    plans = {p.name: p for p in plan_quantization(module, QuantConfig())}
+    assert plans["good"].action == "quantize"
+    assert plans["odd"].action == "keep" and "in_features=20 not a multiple of 16" in plans["odd"].reason
+    quantize(module, QuantConfig(method="int8"))
+    assert isinstance(module.good, QuantizedLinear) and type(module.odd) is nn.Linear
+    with pytest.raises(ValueError, match=r"layer 'odd' of _Odd \(named by include pattern 'odd'\) cannot be quantized: in_features=20"):
+        quantize(_Odd(), QuantConfig(include=("odd",)))
+
+
+def test_quantize_a_bare_linear_returns_the_replacement():
+    linear = nn.Linear(32, 16)
+    new = quantize(linear, {"method": "int8"})
+    assert isinstance(new, QuantizedLinear) and new.method == "int8"
+
+
+def test_fp8_on_gpu_without_fp8_tensor_cores_raises(monkeypatch):
+    """The capability check: an A100 (8.0) is refused with the reason and the alternative."""
+    monkeypatch.setattr(quant_dispatch, "_capabilities", {0: (8, 0)})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    reason = quant_dispatch.fp8_unsupported_reason(torch.device("cuda:0"))
+    assert "compute capability >= 8.9" in reason and "A100" in reason and "'int8'" in reason
+    monkeypatch.setattr(quant_dispatch, "_capabilities", {0: (9, 0)})
+    assert quant_dispatch.fp8_unsupported_reason(torch.device("cuda:0")) is None
+    assert quant_dispatch.fp8_unsupported_reason(torch.device("cpu")) is None
+
+    # quantize() asks for every device its layers sit on: here the CPU, reported as unsupported.
+    monkeypatch.setattr(Q, "fp8_unsupported_reason", lambda device: "FP8 needs FP8 tensor cores (test)")
+    model, _ = _tiny_flux()
+    with pytest.raises(RuntimeError, match=r"QuantConfig\.method='fp8_weight_only': FP8 needs FP8 tensor cores"):
+        quantize(model, QuantConfig(method="fp8_weight_only"))
+    quantize(model, QuantConfig(method="int8"))  # INT8 is not affected
+
+
+# =========================================================================== swap on tiny models
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_swap_on_tiny_transformers(family, method):
+    model, inputs = TINY_MODELS[family]()
+    ref = _run(model, inputs)
+    names = _linears(model)
+    odd = [n for n in names if any(d % 16 for d in model.get_submodule(n).weight.shape)]
+    result = quantize(model, QuantConfig(method=method, **CPU_OPTIONS))
+    assert result is model and type(model).__name__.endswith("Model")
+    # Every nn.Linear is swapped except those whose shape the 8-bit GEMMs cannot take
+    # (SD3's tiny proj_out, 32 -> 4), which stay as they were.
+    assert _linears(model) == odd
+    assert sorted(quantized_layers(model)) == sorted(set(names) - set(odd))
+    out = _run(model, inputs)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err <= MODEL_TOLERANCE[method], f"{family} {method}: relative L2 error {err:.4f}"
+
+
+@pytest.mark.parametrize("method", ["fp8_weight_only", "int8_weight_only"])
+def test_weight_only_swap(method):
+    model, inputs = _tiny_flux()
+    ref = _run(model, inputs)
+    quantize(model, QuantConfig(method=method, skip=("proj_out",), **CPU_OPTIONS))
+    assert type(model.proj_out) is nn.Linear
+    err = _rel(_run(model, inputs), ref)
+    assert err <= MODEL_TOLERANCE[method], f"{method}: relative L2 error {err:.4f}"
+
+
+def test_swap_with_auto_backends_on_cpu():
+    """The defaults (auto: Triton interpreter for INT8 activations, aten GEMMs) give the same
+    result as the explicit CPU options, up to float32 summation order."""
+    model, inputs = _tiny_wan()
+    explicit = copy.deepcopy(model)
+    quantize(model, QuantConfig(method="int8"))
+    quantize(explicit, QuantConfig(method="int8", **CPU_OPTIONS))
+    torch.testing.assert_close(_run(model, inputs), _run(explicit, inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_skipped_layers_are_untouched():
+    model, inputs = _tiny_sd3()
+    before = copy.deepcopy(model)
+    quantize(model, QuantConfig(method="int8", skip=("transformer_blocks",), **CPU_OPTIONS))
+    # The blocks' linears are skipped; proj_out (32 -> 4) stays for its shape.
+    assert _linears(model) == [n for n in _linears(before) if n.startswith("transformer_blocks")] + ["proj_out"]
+    for name in _linears(model):
+        assert torch.equal(model.get_submodule(name).weight, before.get_submodule(name).weight)
+
+
+@pytest.mark.parametrize("method,options", [("fp8", CPU_OPTIONS), ("int8", {})], ids=["fp8-aten", "int8-auto"])
+def test_quantized_blocks_compile_fullgraph(method, options):
+    """torch.compile(fullgraph=True) of the repeated blocks (regional compilation, as the
+    runtime compiles) traces through the quantized layers of real diffusers blocks."""
+    model, inputs = _tiny_flux()
+    quantize(model, QuantConfig(method=method, **options))
+    expected = _run(model, inputs)
+    torch._dynamo.reset()
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(backend="aot_eager", fullgraph=True)
+    try:
+        torch.testing.assert_close(_run(model, inputs), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+# =========================================================================== save / load
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8_weight_only"])
+def test_save_load_round_trip(tmp_path, method):
+    model, inputs = _tiny_flux()
+    config = QuantConfig(method=method, skip=("proj_out",), **CPU_OPTIONS)
+    quantize(model, config)
+    expected = _run(model, inputs)
+    path = tmp_path / "model.safetensors"
+    save_quantized(model, path, config)
+
+    # 1. Into a fresh, unquantized skeleton: the listed layers are rebuilt, nothing re-quantized.
+    fresh, _ = _tiny_flux()
+    torch.nn.init.zeros_(fresh.x_embedder.weight)  # the file's weights must replace these
+    assert load_quantized(fresh, path) is fresh
+    assert quantized_layers(fresh) == quantized_layers(model)
+    assert fresh.transformer_blocks[0].attn.to_q.backend == "aten"  # options saved with the file
+    assert torch.equal(_run(fresh, inputs), expected)
+
+    # 2. Into a skeleton on the meta device (no full-precision weights ever allocated).
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        skeleton = FluxTransformer2DModel.from_config(fresh.config).eval()
+    load_quantized(skeleton, path, config)
+    assert all(t.device.type == "cpu" for t in skeleton.state_dict().values())
+    assert torch.equal(_run(skeleton, inputs), expected)
+
+    # 3. quantize() on a fresh model, then the plain state_dict of the file.
+    from safetensors.torch import load_file
+
+    other, _ = _tiny_flux()
+    quantize(other, config)
+    other.load_state_dict(load_file(path))
+    assert torch.equal(_run(other, inputs), expected)
+
+
+def test_load_errors(tmp_path):
+    model, _ = _tiny_flux()
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    path = tmp_path / "int8.safetensors"
+    save_quantized(model, path)
+    with pytest.raises(ValueError, match=r"QuantConfig\.method='fp8' does not match .*\['int8'\]"):
+        load_quantized(_tiny_flux()[0], path, QuantConfig(method="fp8"))
+    with pytest.raises(ValueError, match=r"quantizes layer 'time_text_embed\.timestep_embedder\.linear_1', which WanTransformer3DModel does not have"):
+        load_quantized(_tiny_wan()[0], path)
+
+    from safetensors.torch import save_file
+
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, plain)
+    with pytest.raises(ValueError, match=r"is not an omni quantized checkpoint"):
+        load_quantized(_tiny_flux()[0], plain)
+    with pytest.raises(ValueError, match=r"has no quantized layers: call quantize\(\) before"):
+        save_quantized(_tiny_flux()[0], tmp_path / "none.safetensors")
+
+
+# =========================================================================== GPU
+
+
+def _flux_transformer_cuda(dtype=torch.bfloat16):
+    """FluxTransformer2DModel at its default (Flux.1) widths, random weights, built on the GPU."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel()
+    model = model.to_empty(device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):  # nn.Linear's default init range
+                bound = module.in_features ** -0.5
+                module.weight.uniform_(-bound, bound, generator=gen)
+                if module.bias is not None:
+                    module.bias.uniform_(-bound, bound, generator=gen)
+        for name, param in model.named_parameters():
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if not isinstance(owner, nn.Linear):  # norm weights 1, biases 0
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+    return model.to(dtype).eval()
+
+
+def _flux_inputs(seed=1, height=64, width=64, text=512):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.arange(height, device="cuda").repeat_interleave(width)
+    cols = torch.arange(width, device="cuda").repeat(height)
+    img_ids = torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float()
+    return dict(
+        hidden_states=torch.randn(1, height * width, 64, device="cuda", generator=gen, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, text, 4096, device="cuda", generator=gen, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(1, 768, device="cuda", generator=gen, dtype=torch.bfloat16),
+        timestep=torch.tensor([0.5], device="cuda", dtype=torch.bfloat16),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(text, 3, device="cuda"),
+        return_dict=False,
+    )
+
+
+# The layers kept in bf16 for the Flux-shaped check: the input/conditioning embedders and the
+# output projection (tiny share of the FLOPs, where an error reaches the output unattenuated).
+FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
+
+
+def _model_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+# Relative L2 bound of the quantized step against the bf16 step: 3% for FP8 is the issue's
+# bound. INT8 W8A8 is more sensitive to activation outlier channels (the step of a token is set
+# by its largest channel); the random-weight model has few, and INT8 came out below FP8 on CPU
+# at Flux widths (2 + 4 blocks, 256 + 64 tokens: FP8 0.34%, INT8 0.12% against float32), so the
+# same bound applies, as a check rather than a target.
+STEP_TOLERANCE = {"fp8": 0.03, "int8": 0.03}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_gpu_flux_transformer_step_error_and_memory(method):
+    """Flux.1 widths (19 double + 38 single blocks, 3072 wide, 11.9B random bf16 weights) at
+    1024^2 (4096 image + 512 text tokens): the quantized step within 3% relative L2 of the bf16
+    step (the figure is printed), the quantized model <= 55% of the bf16 model's bytes."""
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    torch.cuda.empty_cache()
+    model = _flux_transformer_cuda()
+    inputs = _flux_inputs()
+    bf16_bytes = _model_bytes(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0].float()
+    quantize(model, QuantConfig(method=method, skip=FLUX_SKIP))
+    quant_bytes = _model_bytes(model)
+    with torch.no_grad():
+        out = model(**inputs)[0].float()
+    err = _rel(out, ref)
+    print(f"Flux-shaped transformer, {method} W8A8 vs bf16: relative L2 error {err:.4f}; "
+          f"model {quant_bytes / 2**30:.2f} GiB vs {bf16_bytes / 2**30:.2f} GiB "
+          f"({quant_bytes / bf16_bytes:.1%})")
+    assert torch.isfinite(out).all()
+    assert err <= STEP_TOLERANCE[method]
+    assert quant_bytes <= 0.55 * bf16_bytes
+    del model
+    torch.cuda.empty_cache()
