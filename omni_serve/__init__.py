@@ -1,6 +1,22 @@
 """omni_serve: the HTTP server (OpenAI-compatible image and video endpoints).
 
 It calls ``omni_diffusion``; nothing below it imports this package.
+
+``omni-serve [MODEL] [--host] [--port] [--api-key] [--max-queue] [acceleration flags]``
+(:mod:`omni_serve.cli`) runs FastAPI on uvicorn:
+
+* ``GET /health`` (liveness), ``GET /health/ready`` (readiness, 503 until the worker is up),
+  ``GET /metrics`` (Prometheus), ``GET /`` (playground page);
+* ``GET /v1/models``; ``POST /v1/images/generations`` (``stream: true`` for server-sent
+  events with per-step progress, then the result);
+* ``POST /v1/videos`` (asynchronous job), ``GET /v1/videos/{id}``,
+  ``GET /v1/videos/{id}/content`` (animated PNG), ``DELETE /v1/videos/{id}`` (cancels);
+* ``GET /v1/files/{name}``: ``response_format="url"`` results (random names, time limit).
+
+Modules: :mod:`~omni_serve.app` (the app factory), :mod:`~omni_serve.engine` (bounded
+queue, jobs, worker supervision), :mod:`~omni_serve.worker` (the model process),
+:mod:`~omni_serve.schemas` (request bounds, error bodies), :mod:`~omni_serve.metrics`,
+:mod:`~omni_serve.playground`.
 """
 
 __version__ = "0.1.0"

@@ -1,0 +1,476 @@
+"""The FastAPI application: OpenAI-style image and video endpoints over an :class:`Engine`.
+
+``create_app(engines, api_key=...)`` builds it over one :class:`Engine` or several (one
+per kind: the embedded image and video models); the engines' workers start in the
+app's lifespan (or are started by the caller when ``manage_engine=False``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omni_serve.engine import Engine, EngineError, Job, QueueFull
+from omni_serve.metrics import CONTENT_TYPE_LATEST
+from omni_serve.schemas import (
+    MAX_BODY_BYTES,
+    ImageGenerationRequest,
+    VideoCreateRequest,
+    error_body,
+    parse_size,
+)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+# --------------------------------------------------------------------------- files
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_-]{16,64}\.(png|apng)$")
+
+
+class FileStore:
+    """Generated files in a server-owned directory, under random names, with a time limit.
+
+    Lookups go through the in-memory index only: a name from a request is never
+    turned into a path.
+    """
+
+    def __init__(self, ttl_seconds: float = 3600.0, directory: str | None = None) -> None:
+        self.ttl = ttl_seconds
+        self._dir = directory
+        self._owned = directory is None
+        self._index: dict[str, tuple[str, float, str]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def dir(self) -> str:
+        """The directory, made (private to this user) at the first file."""
+        with self._lock:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="omni-serve-files-")
+            return self._dir
+
+    def put(self, data: bytes, suffix: str = "png", media_type: str = "image/png") -> str:
+        name = f"{secrets.token_urlsafe(24)}.{suffix}"
+        path = os.path.join(self.dir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        with self._lock:
+            self._index[name] = (path, time.time() + self.ttl, media_type)
+        self.expire()
+        return name
+
+    def get(self, name: str) -> tuple[str, str] | None:
+        if not _FILE_NAME.match(name):
+            return None
+        with self._lock:
+            entry = self._index.get(name)
+        if entry is None or entry[1] < time.time():
+            return None
+        return entry[0], entry[2]
+
+    def expire(self) -> None:
+        now = time.time()
+        with self._lock:
+            old = [n for n, (_, expiry, _) in self._index.items() if expiry < now]
+            paths = [self._index.pop(n)[0] for n in old]
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            directory, self._dir = self._dir, None
+        if directory is not None and self._owned:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class _Observe:
+    """Pure ASGI middleware: body-size limit, request counts by outcome, latency."""
+
+    def __init__(self, app, metrics, max_body: int) -> None:
+        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = {"code": 500}
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_big = False
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body
+            except ValueError:
+                too_big = True
+        if too_big:
+            response = APIError(413, f"request body larger than {self.max_body} bytes",
+                                code="body_too_large").response()
+            status["code"] = 413
+            await response(scope, receive, send)
+        else:
+            received = {"n": 0}
+
+            async def limited_receive():
+                message = await receive()
+                if message["type"] == "http.request":
+                    received["n"] += len(message.get("body", b""))
+                    if received["n"] > self.max_body:
+                        raise APIError(413, f"request body larger than {self.max_body} bytes",
+                                       code="body_too_large")
+                return message
+
+            async def observed_send(message):
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                await send(message)
+
+            try:
+                await self.app(scope, limited_receive, observed_send)
+            except APIError as exc:
+                status["code"] = exc.status
+                await exc.response()(scope, receive, send)
+        route = scope.get("route")
+        endpoint = getattr(route, "path", None) or "other"
+        code = status["code"]
+        outcome = ("success" if code < 400 else "rejected" if code == 429
+                   else "cancelled" if code == 499 else "client_error" if code < 500
+                   else "server_error")
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- app
+
+
+def _param_of(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or None
+
+
+def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, model_id: str = "omni",
+               default_size: str = "1024x1024", file_ttl: float = 3600.0,
+               manage_engine: bool = True) -> FastAPI:
+    """The app serving ``engines`` (one :class:`Engine` or a list, at most one per kind).
+
+    Args:
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+        model_id: the id ``/v1/models`` lists and requests may name, for engines without
+            their own ``name``.
+        default_size: ``"WxH"`` used when a request gives no size.
+        file_ttl: seconds a ``response_format="url"`` file stays available.
+        manage_engine: start and stop the engine in the app's lifespan.
+    """
+    parse_size(default_size)
+    files = FileStore(file_ttl)
+    engines = [engines] if isinstance(engines, Engine) else list(engines)
+    if not engines:
+        raise ValueError("create_app needs at least one engine")
+    metrics = engines[0].metrics
+    for other in engines[1:]:
+        other.metrics = metrics
+
+    def name_of(engine: Engine) -> str:
+        return engine.name or model_id
+
+    def engine_for(kind: str) -> Engine:
+        for engine in engines:
+            if engine.kind == kind:
+                return engine
+        return engines[0]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            await asyncio.gather(*(engine.start() for engine in engines))
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.gather(*(engine.stop() for engine in engines))
+            files.close()
+
+    app = FastAPI(title="omni-serve", version="0.1.0", lifespan=lifespan)
+    app.state.engines, app.state.files = engines, files
+    app.add_middleware(_Observe, metrics=metrics, max_body=MAX_BODY_BYTES)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _param_of(tuple(first.get("loc", ())))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            message = "unknown field"
+        elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type"):
+            message = "the body must be a JSON object"
+        text = f"{param}: {message}" if param else message
+        return APIError(400, text, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail),
+                        code="not_found" if exc.status_code == 404 else None,
+                        headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        return exc.response()
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------ plain
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready():
+        workers = [{"model": name_of(e), "kind": e.kind, "ready": e.ready,
+                    "queue_depth": e.queue_depth, "worker_pid": e.worker_pid, "error": e.fatal}
+                   for e in engines]
+        ok = all(e.ready for e in engines)
+        body = {"status": "ready" if ok else "not_ready", "workers": workers,
+                "queue_depth": sum(e.queue_depth for e in engines),
+                "worker_pid": engines[0].worker_pid}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        metrics.queue_depth.set(sum(e.queue_depth for e in engines))
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        from omni_serve.playground import PAGE
+
+        return HTMLResponse(PAGE)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": name_of(e), "object": "model", "created": 0, "owned_by": "omni",
+            "kind": e.kind, "pipeline": (e.info or {}).get("pipeline"),
+        } for e in engines]}
+
+    @app.get("/v1/files/{name}")
+    async def get_file(name: str):
+        entry = files.get(name)
+        if entry is None:
+            raise APIError(404, "no such file (or it expired)", code="not_found")
+        with open(entry[0], "rb") as f:
+            return Response(f.read(), media_type=entry[1])
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(req, kind: str) -> Engine:
+        names = [name_of(e) for e in engines]
+        if req.model is not None and req.model not in names:
+            raise APIError(400, f"model {req.model!r} is not served here; this server serves "
+                                f"{', '.join(map(repr, names))}", param="model",
+                           code="model_not_found")
+        engine = engine_for(kind)
+        if req.model is not None:
+            engine = next(e for e in engines if name_of(e) == req.model)
+        served = engine.kind
+        if served is not None and served != kind:
+            raise APIError(400, f"model {name_of(engine)!r} generates {served}s, not {kind}s",
+                           param="model", code="unsupported_model")
+        if not engine.ready:
+            raise APIError(503, "the model worker is not ready", type="server_error",
+                           code="not_ready", headers={"Retry-After": "1"})
+        return engine
+
+    def params_of(req, n: int = 1) -> dict[str, Any]:
+        width, height = parse_size(req.size or default_size)
+        params = dict(prompt=req.prompt, negative_prompt=req.negative_prompt,
+                      num_inference_steps=req.num_inference_steps,
+                      guidance_scale=req.guidance_scale, width=width, height=height, n=n,
+                      seed=req.seed if req.seed is not None else secrets.randbelow(2**32))
+        if isinstance(req, VideoCreateRequest):
+            params["num_frames"] = req.num_frames
+        return params
+
+    def submit(engine: Engine, kind: str, params: dict, prefix: str) -> Job:
+        try:
+            return engine.submit(kind, params, prefix=prefix)
+        except QueueFull as exc:
+            raise APIError(429, "the server is busy: the request queue is full; retry later",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineError as exc:
+            raise APIError(503, str(exc), type="server_error", code="worker_failed") from None
+
+    def job_error(job: Job) -> APIError:
+        if job.status == "cancelled":
+            return APIError(499, "the request was cancelled", code="cancelled")
+        etype, message = job.error or ("server_error", "unknown error")
+        status = 400 if etype == "invalid_request_error" else 500
+        return APIError(status, message, type=etype, code="generation_failed")
+
+    def image_payload(job: Job, request: Request, response_format: str) -> dict:
+        data = []
+        for png in job.result["images"]:
+            if response_format == "url":
+                name = files.put(png)
+                data.append({"url": str(request.base_url) + f"v1/files/{name}"})
+            else:
+                data.append({"b64_json": base64.b64encode(png).decode()})
+        return {"created": int(job.created), "data": data}
+
+    # ------------------------------------------------------------------ images
+
+    @app.post("/v1/images/generations", dependencies=[Depends(authorize)])
+    async def images_generations(req: ImageGenerationRequest, request: Request):
+        engine = check_model(req, "image")
+        job = submit(engine, "image", params_of(req, req.n), "img")
+        if req.stream:
+            return StreamingResponse(_sse(engine, job, request, req.response_format),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})
+        try:
+            while True:
+                try:
+                    what, _ = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.cancel(job.id)
+                        raise APIError(499, "client disconnected", code="cancelled") from None
+                    continue
+                if what in ("done", "error", "cancelled"):
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(job.id)
+            raise
+        if job.status != "completed":
+            raise job_error(job)
+        payload = await asyncio.to_thread(image_payload, job, request, req.response_format)
+        engine.forget(job.id)
+        return JSONResponse(payload, headers={"X-Request-Id": job.id})
+
+    async def _sse(engine: Engine, job: Job, request: Request, response_format: str):
+        finished = False
+        try:
+            yield _event("queued", {"type": "queued", "id": job.id})
+            while True:
+                what, payload = await job.events.get()
+                if what == "progress":
+                    yield _event("progress", {"type": "progress", "id": job.id, **payload})
+                    continue
+                finished = True
+                if what == "done":
+                    body = await asyncio.to_thread(image_payload, job, request, response_format)
+                    engine.forget(job.id)
+                    yield _event("result", {"type": "result", "id": job.id, **body})
+                else:
+                    err = job_error(job)
+                    yield _event("error", error_body(err.message, err.type, err.param, err.code))
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not finished:  # the client went away
+                engine.cancel(job.id)
+
+    # ------------------------------------------------------------------ videos
+
+    def video_object(engine: Engine, job: Job) -> dict:
+        obj = {"id": job.id, "object": "video", "model": name_of(engine), "status": job.status,
+               "progress": round(job.progress * 100), "created_at": int(job.created),
+               "completed_at": int(job.finished) if job.status == "completed" else None,
+               "size": f"{job.params['width']}x{job.params['height']}"}
+        if job.status == "failed":
+            etype, message = job.error or ("server_error", "unknown error")
+            obj["error"] = {"message": message, "type": etype}
+        return obj
+
+    def video_job(video_id: str) -> tuple[Engine, Job]:
+        for engine in engines:
+            job = engine.jobs.get(video_id)
+            if job is not None and job.kind == "video":
+                return engine, job
+        raise APIError(404, f"no video {video_id!r}", param="video_id", code="not_found")
+
+    @app.post("/v1/videos", dependencies=[Depends(authorize)])
+    async def create_video(req: VideoCreateRequest):
+        engine = check_model(req, "video")
+        job = submit(engine, "video", params_of(req), "video")
+        return video_object(engine, job)
+
+    @app.get("/v1/videos/{video_id}", dependencies=[Depends(authorize)])
+    async def get_video(video_id: str):
+        return video_object(*video_job(video_id))
+
+    @app.get("/v1/videos/{video_id}/content", dependencies=[Depends(authorize)])
+    async def get_video_content(video_id: str):
+        _, job = video_job(video_id)
+        if job.status != "completed":
+            raise APIError(409, f"video {video_id!r} is {job.status}, not completed",
+                           param="video_id", code="not_ready")
+        data = await asyncio.to_thread(_apng, job.result["frames"])
+        return Response(data, media_type="image/apng")
+
+    @app.delete("/v1/videos/{video_id}", dependencies=[Depends(authorize)])
+    async def delete_video(video_id: str):
+        engine, job = video_job(video_id)
+        engine.cancel(job.id)
+        engine.forget(job.id)
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
+
+    return app
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def _apng(frames: list[bytes], fps: int = 16) -> bytes:
+    """The frames (PNG bytes) as one animated PNG."""
+    from PIL import Image
+
+    images = [Image.open(io.BytesIO(f)) for f in frames]
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG", save_all=True, append_images=images[1:],
+                   duration=int(1000 / fps), loop=0)
+    return buf.getvalue()

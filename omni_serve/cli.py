@@ -1,0 +1,116 @@
+"""``omni-serve [MODEL]``: serve a diffusers pipeline over HTTP (OpenAI-style API).
+
+::
+
+    omni-serve ./FLUX.1-schnell --port 8000 --api-key "$KEY" --max-queue 16 --cache first_block
+
+With no MODEL it serves the embedded default models (``omni_diffusion.embedded``): the
+image model and, when installed, the video model, each in its own worker process.
+The acceleration flags are :func:`omni_diffusion.config.add_cli_arguments`'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from omni_diffusion.config import add_cli_arguments
+
+    parser = argparse.ArgumentParser(prog="omni-serve", description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local diffusers folder or hub id (default: the embedded model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("OMNI_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $OMNI_API_KEY)")
+    parser.add_argument("--max-queue", type=int, default=16,
+                        help="requests that may wait beside the running one; more get 429")
+    parser.add_argument("--model-name", default=None, help="the id /v1/models lists")
+    parser.add_argument("--default-size", default="1024x1024")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--file-ttl", type=float, default=3600.0,
+                        help="seconds a response_format=url file stays available")
+    parser.add_argument("--log-level", default="info")
+    add_cli_arguments(parser)
+    return parser
+
+
+def _embedded_kinds() -> list[str]:
+    """The kinds of embedded default model that are installed."""
+    if importlib.util.find_spec("omni_diffusion.embedded") is None:
+        return []
+    from omni_diffusion import embedded
+
+    kinds = []
+    for kind in getattr(embedded, "KINDS", ("image",)):
+        try:
+            embedded.embedded_pipeline_path(kind)
+        except (FileNotFoundError, ValueError, AttributeError):
+            continue
+        kinds.append(kind)
+    return kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from omni_diffusion.config import from_cli_args
+
+    from omni_serve.schemas import parse_size
+
+    try:
+        accel = from_cli_args(args).to_dict()
+        parse_size(args.default_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.max_queue < 0:
+        parser.error("--max-queue must be >= 0")
+    kinds: list[str | None] = [None]
+    if args.model is None:
+        kinds = _embedded_kinds()
+        if not kinds:
+            print("omni-serve: no MODEL given and the embedded default models are not installed "
+                  "(omni_diffusion.embedded and its model folders); pass a diffusers folder or "
+                  "hub id", file=sys.stderr)
+            return 2
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+
+    import uvicorn
+
+    from omni_serve.app import create_app
+    from omni_serve.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper())
+    from omni_serve.metrics import Metrics
+
+    metrics = Metrics()
+    engines = []
+    for kind in kinds:
+        if args.model is not None:
+            name = args.model_name or os.path.basename(os.path.normpath(args.model))
+        else:
+            name = f"{args.model_name or 'omni-embedded'}-{kind}"
+        engines.append(Engine(args.model, accel, kind=kind, name=name, max_queue=args.max_queue,
+                              device=device, dtype=dtype, metrics=metrics))
+    app = create_app(engines, api_key=args.api_key, model_id=name,
+                     default_size=args.default_size, file_ttl=args.file_ttl)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Fixtures for omni-serve: a tiny Flux pipeline on disk and a real server on loopback.
+
+The server is ``python -m omni_serve.cli`` in a subprocess on 127.0.0.1 and an
+ephemeral port, in its own session, under ``timeout`` (a bounded lifetime even
+if the tests are killed), stopped at the end of the module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER_LIFETIME_S = 240
+
+
+@pytest.fixture(scope="session")
+def flux_dir(tmp_path_factory) -> str:
+    from omni_diffusion.testing import tiny_pipeline
+
+    path = tmp_path_factory.mktemp("tiny-flux") / "flux"
+    tiny_pipeline("flux").save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def wan_dir(tmp_path_factory) -> str:
+    from omni_diffusion.testing import tiny_pipeline
+
+    path = tmp_path_factory.mktemp("tiny-wan") / "wan"
+    tiny_pipeline("wan").save_pretrained(str(path))
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *args: str, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "omni_serve.cli", model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning", *args]
+        if shutil.which("timeout"):
+            cmd = ["timeout", "-s", "KILL", str(SERVER_LIFETIME_S), *cmd]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("TRITON_INTERPRET", None)
+        env["OMP_NUM_THREADS"] = "1"  # tiny model on shared cores: no thread oversubscription
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omni-serve exited ({self.proc.returncode}):\n{self.output()}")
+            try:
+                r = httpx.get(self.url + "/health/ready", timeout=1.0)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"omni-serve not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self._log_file.flush()
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of its session: server, worker, timeout
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def wan_server(wan_dir, tmp_path_factory):
+    srv = Server(wan_dir, "--default-size", "32x32", "--max-queue", "2", "--model-name", "tiny-wan",
+                 "--attention", "none", log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(flux_dir, tmp_path_factory):
+    srv = Server(flux_dir, "--default-size", "32x32", "--max-queue", "1", "--model-name", "tiny-flux",
+                 "--attention", "none",
+                 log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _parse_sse(text: str) -> list[tuple[str | None, object]]:
+    """``[(event name or None, parsed data)]``; ``[DONE]`` stays a string."""
+    import json
+
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, []
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+        payload = "\n".join(data)
+        events.append((name, payload if payload == "[DONE]" else json.loads(payload)))
+    return events
+
+
+@pytest.fixture
+def parse_sse():
+    """Parse a server-sent-events body into ``[(event name or None, data)]``."""
+    return _parse_sse

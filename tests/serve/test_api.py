@@ -1,0 +1,276 @@
+"""The HTTP layer in-process (httpx's ASGI transport) over a stub engine: validation,
+errors, auth, backpressure, metrics, files. No worker process, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import httpx
+import pytest
+
+from omni_serve.app import create_app
+from omni_serve.engine import Engine, Job, QueueFull
+
+
+def _png(size: int = 8) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class StubEngine(Engine):
+    """Finishes every job at once with ``n`` small PNGs; never starts a process."""
+
+    def __init__(self, max_queue: int = 4, hold: bool = False) -> None:
+        super().__init__("stub", max_queue=max_queue)
+        self.ready = True
+        self.info = {"kind": "image", "pipeline": "StubPipeline"}
+        self.kind = "image"
+        self.hold = hold  # leave jobs running (for backpressure tests)
+        self.submitted: list[dict] = []
+        self._loop = None
+
+    def _post_later(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+
+        def finish() -> None:
+            self._on_event(("start", job.id))
+            for step in (1, 2):
+                self._on_event(("progress", job.id, step, 2, 0.01))
+            self._on_event(("done", job.id, {"images": [_png()] * job.params["n"]}))
+
+        loop.call_soon(finish)
+
+    def submit(self, kind, params, prefix="req"):
+        if self._active() >= self.max_queue + 1:
+            raise QueueFull(3)
+        job = Job(id=f"{prefix}_stub{len(self.submitted)}", kind=kind, params=params)
+        self.jobs[job.id] = job
+        self.submitted.append(params)
+        if not self.hold:
+            self._post_later(job)
+        return job
+
+    def cancel(self, job_id):
+        job = self.jobs.get(job_id)
+        if job is None or job.done:
+            return False
+        self._finish(job, "cancelled", None)
+        return True
+
+
+def _client(engine=None, **kwargs) -> tuple[httpx.AsyncClient, StubEngine]:
+    engine = engine or StubEngine()
+    app = create_app(engine, manage_engine=False, model_id="stub-model", default_size="64x64",
+                     **kwargs)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return client, engine
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_health_models_and_generation():
+    async def main():
+        client, engine = _client()
+        async with client:
+            assert (await client.get("/health")).json() == {"status": "ok"}
+            assert (await client.get("/health/ready")).status_code == 200
+            models = (await client.get("/v1/models")).json()
+            assert models["object"] == "list" and models["data"][0]["id"] == "stub-model"
+            r = await client.post("/v1/images/generations",
+                                  json={"prompt": "a fox", "n": 2, "size": "32x48", "seed": 7,
+                                        "num_inference_steps": 3, "guidance_scale": 2.5,
+                                        "negative_prompt": "blur"})
+            assert r.status_code == 200, r.text
+            data = r.json()["data"]
+            assert len(data) == 2
+            assert base64.b64decode(data[0]["b64_json"]).startswith(b"\x89PNG")
+            params = engine.submitted[-1]
+            assert (params["width"], params["height"], params["seed"]) == (32, 48, 7)
+            assert params["num_inference_steps"] == 3 and params["negative_prompt"] == "blur"
+            await client.post("/v1/images/generations", json={"prompt": "x"})
+            assert (engine.submitted[-1]["width"], engine.submitted[-1]["height"]) == (64, 64)
+            assert 0 <= engine.submitted[-1]["seed"] < 2**32
+    run(main())
+
+
+BAD = [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "x" * 4001}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 5}, "n"),
+    ({"prompt": "a", "n": "2"}, "n"),
+    ({"prompt": "a", "n": 1.5}, "n"),
+    ({"prompt": "a", "size": "big"}, "size"),
+    ({"prompt": "a", "size": "33x32"}, "size"),
+    ({"prompt": "a", "size": "4096x4096"}, "size"),
+    ({"prompt": "a", "size": "0x0"}, "size"),
+    ({"prompt": "a", "size": "-32x32"}, "size"),
+    ({"prompt": "a", "response_format": "png"}, "response_format"),
+    ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps"),
+    ({"prompt": "a", "num_inference_steps": 1000}, "num_inference_steps"),
+    ({"prompt": "a", "guidance_scale": -1}, "guidance_scale"),
+    ({"prompt": "a", "guidance_scale": 1e9}, "guidance_scale"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "seed": 2**40}, "seed"),
+    ({"prompt": "a", "seed": True}, "seed"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "negative_prompt": "x" * 5000}, "negative_prompt"),
+    ({"prompt": "a", "bogus": 1}, "bogus"),
+    ({"prompt": "a", "model": "dall-e-3"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD)])
+def test_bad_inputs_name_the_field(body, param):
+    async def main():
+        client, engine = _client()
+        async with client:
+            r = await client.post("/v1/images/generations", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param
+        assert err["type"] == "invalid_request_error"
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert engine.submitted == []  # nothing reached the engine
+    run(main())
+
+
+def test_malformed_and_oversized_bodies():
+    async def main():
+        client, engine = _client()
+        async with client:
+            r = await client.post("/v1/images/generations", content=b"{not json",
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "error" in r.json()
+            r = await client.post("/v1/images/generations", json=["a list"])
+            assert r.status_code == 400 and "error" in r.json()
+            r = await client.post("/v1/images/generations",
+                                  json={"prompt": "a", "negative_prompt": "x" * 100_000})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+            r = await client.get("/v1/nothing-here")
+            assert r.status_code == 404 and "error" in r.json()
+        assert engine.submitted == []
+    run(main())
+
+
+def test_api_key():
+    async def main():
+        client, _ = _client(api_key="s3cret")
+        async with client:
+            assert (await client.get("/health")).status_code == 200  # liveness stays open
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                            {"Authorization": "Basic s3cret"}):
+                r = await client.get("/v1/models", headers=headers)
+                assert r.status_code == 401, headers
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                r = await client.post("/v1/images/generations", json={"prompt": "a"},
+                                      headers=headers)
+                assert r.status_code == 401
+            ok = {"Authorization": "Bearer s3cret"}
+            assert (await client.get("/v1/models", headers=ok)).status_code == 200
+            r = await client.post("/v1/images/generations", json={"prompt": "a"}, headers=ok)
+            assert r.status_code == 200
+    run(main())
+
+
+def test_queue_full_gives_429_with_retry_after():
+    async def main():
+        client, engine = _client(StubEngine(max_queue=1, hold=True))
+        async with client:
+            tasks = [asyncio.create_task(client.post("/v1/images/generations", json={"prompt": "a"}))
+                     for _ in range(2)]
+            while len(engine.submitted) < 2:
+                await asyncio.sleep(0.01)
+            r = await client.post("/v1/images/generations", json={"prompt": "a"})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "3"
+            assert r.json()["error"]["code"] == "queue_full"
+            for job in list(engine.jobs.values()):
+                engine._on_event(("done", job.id, {"images": [_png()]}))
+            assert [t.status_code for t in await asyncio.gather(*tasks)] == [200, 200]
+            text = (await client.get("/metrics")).text
+            assert 'omni_requests_total{endpoint="/v1/images/generations",outcome="rejected"} 1.0' \
+                in text
+    run(main())
+
+
+def test_url_files_and_no_paths_from_requests():
+    async def main():
+        client, engine = _client(file_ttl=60)
+        async with client:
+            r = await client.post("/v1/images/generations",
+                                  json={"prompt": "a", "response_format": "url"})
+            url = r.json()["data"][0]["url"]
+            assert url.startswith("http://test/v1/files/")
+            got = await client.get(url)
+            assert got.status_code == 200 and got.content.startswith(b"\x89PNG")
+            for bad in ("../../etc/passwd", "..%2F..%2Fetc%2Fpasswd", "x.png",
+                        "AAAAAAAAAAAAAAAAAAAAAAAA.png"):
+                assert (await client.get(f"/v1/files/{bad}")).status_code == 404
+            files = client._transport.app.state.files
+            files.ttl = -1
+            name = url.rsplit("/", 1)[1]
+            files._index[name] = (files._index[name][0], 0.0, "image/png")
+            assert (await client.get(url)).status_code == 404  # expired
+            files.close()
+    run(main())
+
+
+def test_stream_events_parse(parse_sse):
+    async def main():
+        client, _ = _client()
+        async with client:
+            r = await client.post("/v1/images/generations", json={"prompt": "a", "stream": True})
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = parse_sse(r.text)
+        assert [e[0] for e in events] == ["queued", "progress", "progress", "result", None]
+        assert [e[1]["step"] for e in events if e[0] == "progress"] == [1, 2]
+        assert base64.b64decode(events[3][1]["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        assert events[-1][1] == "[DONE]"
+    run(main())
+
+
+def test_metrics_text_and_playground():
+    async def main():
+        client, _ = _client()
+        async with client:
+            await client.post("/v1/images/generations", json={"prompt": "a"})
+            await client.post("/v1/images/generations", json={"prompt": ""})
+            text = (await client.get("/metrics")).text
+            page = await client.get("/")
+            schema = await client.get("/openapi.json")
+        for needle in (
+            'omni_requests_total{endpoint="/v1/images/generations",outcome="success"} 1.0',
+            'omni_requests_total{endpoint="/v1/images/generations",outcome="client_error"} 1.0',
+            'omni_request_latency_seconds_count{endpoint="/v1/images/generations"} 2.0',
+            'omni_jobs_total{kind="image",outcome="completed"} 1.0',
+            "omni_queue_depth 0.0",
+            "omni_denoising_step_seconds_count 2.0",
+            "omni_batch_size_count 1.0",
+        ):
+            assert needle in text, needle
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "/v1/images/generations" in page.text
+        assert schema.status_code == 200
+        assert {"/v1/images/generations", "/v1/videos", "/v1/models"} <= set(schema.json()["paths"])
+    run(main())
+
+
+def test_videos_refused_by_an_image_model():
+    async def main():
+        client, engine = _client()
+        async with client:
+            r = await client.post("/v1/videos", json={"prompt": "a"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_model"
+            assert (await client.get("/v1/videos/video_nope")).status_code == 404
+    run(main())

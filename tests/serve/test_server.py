@@ -1,0 +1,178 @@
+"""omni-serve end to end: a real uvicorn on 127.0.0.1 with a tiny Flux pipeline on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+GEN = "/v1/images/generations"
+
+
+def _image(b64: str):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_health_models_ready(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(server.url + "/health/ready").json()
+    assert ready["status"] == "ready"
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-flux"
+    assert models["data"][0]["kind"] == "image"
+
+
+def test_generate_b64_and_url(server):
+    r = httpx.post(server.url + GEN, json={"prompt": "a red fox", "n": 2, "num_inference_steps": 2,
+                                           "seed": 3, "size": "32x48"}, timeout=60)
+    assert r.status_code == 200, r.text
+    images = [_image(d["b64_json"]) for d in r.json()["data"]]
+    assert len(images) == 2 and all(im.size == (32, 48) for im in images)
+    r = httpx.post(server.url + GEN, json={"prompt": "a red fox", "num_inference_steps": 2,
+                                           "response_format": "url", "negative_prompt": "blur"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    url = r.json()["data"][0]["url"]
+    assert url.startswith(server.url + "/v1/files/")
+    got = httpx.get(url)
+    assert got.status_code == 200 and got.content.startswith(b"\x89PNG")
+
+
+def test_concurrent_results_belong_to_their_requests(server):
+    def body(seed):
+        return {"prompt": f"prompt {seed}", "num_inference_steps": 2, "seed": seed}
+
+    reference = {s: httpx.post(server.url + GEN, json=body(s), timeout=60).json()["data"][0]
+                 for s in (11, 12)}
+    assert reference[11] != reference[12]
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*(client.post(GEN, json=body(s)) for s in (12, 11)))
+
+    r12, r11 = asyncio.run(both())
+    assert r11.json()["data"][0] == reference[11]
+    assert r12.json()["data"][0] == reference[12]
+
+
+def test_stream_progress_then_result(server, parse_sse):
+    with httpx.stream("POST", server.url + GEN, timeout=60,
+                      json={"prompt": "a fox", "num_inference_steps": 3, "stream": True}) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    events = parse_sse(text)
+    names = [e[0] for e in events]
+    assert names == ["queued", "progress", "progress", "progress", "result", None], names
+    assert [e[1]["step"] for e in events if e[0] == "progress"] == [1, 2, 3]
+    assert all(e[1]["total"] == 3 for e in events if e[0] == "progress")
+    assert _image(events[4][1]["data"][0]["b64_json"]).size == (32, 32)
+    assert events[-1][1] == "[DONE]"
+
+
+def test_validation_error_from_real_server(server):
+    r = httpx.post(server.url + GEN, json={"prompt": "a", "size": "32x31"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size"
+
+
+def _metric(server, line_start: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_queue_full_429(server):
+    long = {"prompt": "slow", "num_inference_steps": 100}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post(GEN, json=long) for _ in range(4)))
+
+    before = _metric(server, 'omni_requests_total{endpoint="/v1/images/generations",outcome="rejected"}')
+    results = asyncio.run(burst())
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200, 200, 429, 429], codes  # --max-queue 1: one running, one waiting
+    rejected = [r for r in results if r.status_code == 429][0]
+    assert int(rejected.headers["retry-after"]) >= 1
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
+    after = _metric(server, 'omni_requests_total{endpoint="/v1/images/generations",outcome="rejected"}')
+    assert after == before + 2
+
+
+def test_client_disconnect_cancels(server):
+    key = 'omni_jobs_total{kind="image",outcome="cancelled"}'
+    before = _metric(server, key)
+    with httpx.stream("POST", server.url + GEN, timeout=60,
+                      json={"prompt": "a", "num_inference_steps": 100, "stream": True,
+                            "size": "256x256"}) as r:  # seconds: still running when we act
+        for line in r.iter_lines():
+            if line.startswith("event: progress"):
+                break  # leave after the first step
+    deadline = time.monotonic() + 20
+    while _metric(server, key) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, key) == before + 1
+    # the worker is free again: a short request goes through
+    r = httpx.post(server.url + GEN, json={"prompt": "a", "num_inference_steps": 1}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_client_disconnect_cancels_a_plain_request(server):
+    key = 'omni_jobs_total{kind="image",outcome="cancelled"}'
+    before = _metric(server, key)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + GEN, timeout=httpx.Timeout(10, read=1.0),
+                   json={"prompt": "a", "num_inference_steps": 100, "size": "256x256"})
+    deadline = time.monotonic() + 20
+    while _metric(server, key) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, key) == before + 1
+
+
+def test_worker_killed_mid_request(server):
+    pid = httpx.get(server.url + "/health/ready").json()["worker_pid"]
+    with httpx.stream("POST", server.url + GEN, timeout=60,
+                      json={"prompt": "a", "num_inference_steps": 100, "stream": True,
+                            "size": "256x256"}) as r:  # seconds: still running when we act
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+                if line == "event: progress" and events.count("progress") == 1:
+                    os.kill(pid, signal.SIGKILL)
+        assert events[-1] == "error", events
+    info = server.wait_ready(60)  # a new worker comes up
+    assert info["worker_pid"] != pid
+    r = httpx.post(server.url + GEN, json={"prompt": "a", "num_inference_steps": 1}, timeout=60)
+    assert r.status_code == 200
+    assert _metric(server, "omni_worker_restarts_total") >= 1
+
+
+def test_metrics_moved(server):
+    text = httpx.get(server.url + "/metrics").text
+    assert 'omni_jobs_total{kind="image",outcome="completed"}' in text
+    assert _metric(server, "omni_denoising_step_seconds_count") > 0
+    assert _metric(server, "omni_batch_size_count") > 0
+    assert 'omni_request_latency_seconds_bucket{endpoint="/v1/images/generations"' in text
+
+
+def test_cli_without_model_and_without_embedded_models():
+    import subprocess
+    import sys
+
+    from omni_serve.cli import _embedded_kinds
+
+    if _embedded_kinds():
+        pytest.skip("the embedded models are installed")
+    out = subprocess.run([sys.executable, "-m", "omni_serve.cli", "--port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "embedded default models are not installed" in out.stderr

@@ -1,0 +1,67 @@
+"""omni-serve's asynchronous video jobs end to end: a real server with a tiny Wan pipeline."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import httpx
+
+
+def _wait(server, video_id: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        obj = httpx.get(f"{server.url}/v1/videos/{video_id}").json()
+        if obj["status"] in ("completed", "failed", "cancelled"):
+            return obj
+        time.sleep(0.1)
+    raise AssertionError(f"video {video_id} not done after {timeout}s")
+
+
+def test_video_job_lifecycle(wan_server):
+    models = httpx.get(wan_server.url + "/v1/models").json()["data"]
+    assert [(m["id"], m["kind"]) for m in models] == [("tiny-wan", "video")]
+    r = httpx.post(wan_server.url + "/v1/videos",
+                   json={"prompt": "a fox running", "num_frames": 5, "num_inference_steps": 2,
+                         "seed": 1})
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    assert obj["object"] == "video" and obj["status"] in ("queued", "in_progress", "completed")
+    assert obj["size"] == "32x32"
+    done = _wait(wan_server, obj["id"])
+    assert done["status"] == "completed" and done["progress"] == 100, done
+    content = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "image/apng"
+    from PIL import Image
+
+    video = Image.open(io.BytesIO(content.content))
+    assert getattr(video, "n_frames", 1) >= 2  # (the tiny VAE decodes at 1/4 of the size)
+    deleted = httpx.delete(f"{wan_server.url}/v1/videos/{obj['id']}").json()
+    assert deleted == {"id": obj["id"], "object": "video.deleted", "deleted": True}
+    assert httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}").status_code == 404
+
+
+def test_video_delete_cancels_a_running_job(wan_server):
+    r = httpx.post(wan_server.url + "/v1/videos",
+                   json={"prompt": "slow", "num_frames": 9, "num_inference_steps": 100,
+                         "size": "256x256"})  # a few seconds: still running when deleted
+    video_id = r.json()["id"]
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{wan_server.url}/v1/videos/{video_id}").json()["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    content = httpx.get(f"{wan_server.url}/v1/videos/{video_id}/content")
+    assert content.status_code == 409 and content.json()["error"]["code"] == "not_ready"
+    assert httpx.delete(f"{wan_server.url}/v1/videos/{video_id}").status_code == 200
+    assert httpx.get(f"{wan_server.url}/v1/videos/{video_id}").status_code == 404
+    # the worker is free again
+    r = httpx.post(wan_server.url + "/v1/videos",
+                   json={"prompt": "quick", "num_frames": 5, "num_inference_steps": 1})
+    assert _wait(wan_server, r.json()["id"])["status"] == "completed"
+    text = httpx.get(wan_server.url + "/metrics").text
+    assert 'omni_jobs_total{kind="video",outcome="cancelled"} 1.0' in text
+
+
+def test_image_request_to_a_video_model(wan_server):
+    r = httpx.post(wan_server.url + "/v1/images/generations", json={"prompt": "a"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_model"
