@@ -33,7 +33,7 @@ build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_
 	find csrc -type f -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0r sha256sum; } \
 	| sha256sum | cut -d' ' -f1
 
-.PHONY: venv build test test-gpu bench-gpu lint clean distclean
+.PHONY: venv build test serve test-gpu bench-gpu lint clean distclean
 
 ## venv: $(VENV) with torch $(TORCH_VERSION) and the build tools.
 venv: $(VENV_STAMP)
@@ -64,6 +64,12 @@ test: build
 	from omni_kernels._extension import compiled_extension_error as e; \
 	assert omni_kernels.has_compiled_extension(), e()"
 	TRITON_INTERPRET=$(TRITON_INTERPRET) $(VPY) -m pytest -q
+
+## serve: build, then run omni-serve on its embedded default model (SERVE_ARGS adds options,
+## e.g. SERVE_ARGS="--port 8000 --api-key secret").
+SERVE_ARGS ?=
+serve: build
+	$(VPY) -m omni_serve.cli $(SERVE_ARGS)
 
 ## test-gpu / bench-gpu: on a GPU machine, with its own python3 and torch.
 test-gpu:

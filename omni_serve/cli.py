@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue", type=int, default=16,
                         help="requests that may wait beside the running one; more get 429")
     parser.add_argument("--model-name", default=None, help="the id /v1/models lists")
-    parser.add_argument("--default-size", default="1024x1024")
+    parser.add_argument("--default-size", default=None,
+                        help="WxH when a request names no size (default: 32x32 for the embedded "
+                             "digits model, 1024x1024 for a MODEL)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--file-ttl", type=float, default=3600.0,
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         accel = from_cli_args(args).to_dict()
+        if args.default_size is None:
+            # The embedded model was trained at 32x32; real models default to 1024x1024.
+            args.default_size = "32x32" if args.model is None else "1024x1024"
         parse_size(args.default_size)
     except ValueError as exc:
         parser.error(str(exc))
