@@ -131,7 +131,7 @@ def _restated_apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=
     (a second rounding after the norm's).
     """
     if not use_real:
-        raise NotImplementedError("only the real (cos, sin) form is restated")
+        raise ValueError("use_real=False (complex freqs) is not restated here; pass use_real=True")
     cos, sin = freqs_cis
     if sequence_dim == 2:
         cos, sin = cos[None, None, :, :], sin[None, None, :, :]
