@@ -15,58 +15,14 @@
 #include <cuda_fp16.h>
 
 #include "../cuda_compat.h"
+#include "../vector_io.cuh"
 #include "qk_norm_rope_params.h"
 
 namespace omni {
 namespace qk_norm_rope {
 
-template <typename T>
-struct Packed2;
-template <>
-struct Packed2<__half> {
-  using type = __half2;
-  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
-  static __device__ __forceinline__ type from_float2(float2 v) { return __float22half2_rn(v); }
-};
-template <>
-struct Packed2<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
-  static __device__ __forceinline__ type from_float2(float2 v) { return __float22bfloat162_rn(v); }
-};
-
-template <typename T>
-__device__ __forceinline__ void load_vector(const T* ptr, float (&out)[kVectorElements]) {
-  using P = Packed2<T>;
-  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
-  const typename P::type* pairs = reinterpret_cast<const typename P::type*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVectorElements / 2; ++i) {
-    const float2 f = P::to_float2(pairs[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_vector(T* ptr, const float (&values)[kVectorElements]) {
-  using P = Packed2<T>;
-  uint4 raw;
-  typename P::type* pairs = reinterpret_cast<typename P::type*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVectorElements / 2; ++i) {
-    pairs[i] = P::from_float2(make_float2(values[2 * i], values[2 * i + 1]));
-  }
-  *reinterpret_cast<uint4*>(ptr) = raw;
-}
-
-__device__ __forceinline__ void load_float_vector(const float* ptr,
-                                                  float (&out)[kVectorElements]) {
-  const float4 lo = *reinterpret_cast<const float4*>(ptr);
-  const float4 hi = *reinterpret_cast<const float4*>(ptr + 4);
-  out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
-  out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
-}
+// The shared helpers of ../vector_io.cuh move one vector of kVectorElements values.
+static_assert(kVectorElements == kHalfVectorElements, "vector width differs from vector_io.cuh");
 
 template <typename T>
 __device__ __forceinline__ void load_weight(const void* weight, bool weight_fp32, int64_t offset,
@@ -74,10 +30,8 @@ __device__ __forceinline__ void load_weight(const void* weight, bool weight_fp32
   if (weight == nullptr) {
 #pragma unroll
     for (int i = 0; i < kVectorElements; ++i) out[i] = 1.0f;
-  } else if (weight_fp32) {
-    load_float_vector(static_cast<const float*>(weight) + offset, out);
   } else {
-    load_vector(static_cast<const T*>(weight) + offset, out);
+    load_half_or_float_vector<T>(weight, weight_fp32, offset, out);
   }
 }
 

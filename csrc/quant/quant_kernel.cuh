@@ -17,52 +17,14 @@
 #include <cuda_fp8.h>
 
 #include "../cuda_compat.h"
+#include "../vector_io.cuh"
 #include "quant_params.h"
 
 namespace omni {
 namespace quant {
 
-template <typename T>
-struct Packed2;
-template <>
-struct Packed2<__half> {
-  using type = __half2;
-  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
-};
-template <>
-struct Packed2<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
-};
-
-// Loads 8 values of T at ptr (16-byte aligned) as float.
-template <typename T>
-__device__ __forceinline__ void load_vector(const T* ptr, float (&out)[kVectorElements]) {
-  using P = Packed2<T>;
-  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
-  const typename P::type* pairs = reinterpret_cast<const typename P::type*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVectorElements / 2; ++i) {
-    const float2 f = P::to_float2(pairs[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-// Loads 8 values at element `offset` of a T or float32 array (picked at run time).
-template <typename T>
-__device__ __forceinline__ void load_any(const void* base, bool is_fp32, int64_t offset,
-                                         float (&out)[kVectorElements]) {
-  if (is_fp32) {
-    const float* ptr = static_cast<const float*>(base) + offset;
-    const float4 lo = *reinterpret_cast<const float4*>(ptr);
-    const float4 hi = *reinterpret_cast<const float4*>(ptr + 4);
-    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
-    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
-  } else {
-    load_vector(static_cast<const T*>(base) + offset, out);
-  }
-}
+// The shared helpers of ../vector_io.cuh move one vector of kVectorElements values.
+static_assert(kVectorElements == kHalfVectorElements, "vector width differs from vector_io.cuh");
 
 struct SumOp {
   static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
@@ -186,22 +148,22 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_per_token_kernel(const P
       if constexpr (kNorm == NormKind::kRms) v[i][j] = v[i][j] * rstd;
     }
     if (p.norm_weight != nullptr) {
-      load_any<T>(p.norm_weight, p.norm_weight_fp32, col, w);
+      load_half_or_float_vector<T>(p.norm_weight, p.norm_weight_fp32, col, w);
 #pragma unroll
       for (int j = 0; j < kVectorElements; ++j) v[i][j] *= w[j];
     }
     if (p.norm_bias != nullptr) {
-      load_any<T>(p.norm_bias, p.norm_bias_fp32, col, w);
+      load_half_or_float_vector<T>(p.norm_bias, p.norm_bias_fp32, col, w);
 #pragma unroll
       for (int j = 0; j < kVectorElements; ++j) v[i][j] += w[j];
     }
     if (p.mod_scale != nullptr) {
-      load_any<T>(p.mod_scale, p.mod_scale_fp32, mod_row + col, w);
+      load_half_or_float_vector<T>(p.mod_scale, p.mod_scale_fp32, mod_row + col, w);
 #pragma unroll
       for (int j = 0; j < kVectorElements; ++j) v[i][j] *= 1.0f + w[j];
     }
     if (p.mod_shift != nullptr) {
-      load_any<T>(p.mod_shift, p.mod_shift_fp32, mod_row + col, w);
+      load_half_or_float_vector<T>(p.mod_shift, p.mod_shift_fp32, mod_row + col, w);
 #pragma unroll
       for (int j = 0; j < kVectorElements; ++j) v[i][j] += w[j];
     }
