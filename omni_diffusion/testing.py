@@ -232,6 +232,32 @@ _BUILDERS = {
 }
 
 
+def tiny_flux_transformer():
+    """A 1+1-block FluxTransformer2DModel (fp32, eval) and keyword inputs for one forward.
+
+    hidden_states [1, 16, 16] (16 packed image tokens), encoder_hidden_states [1, 8, 32];
+    seeded, so two calls build identical models and inputs.
+    """
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 16, generator=gen),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
+        pooled_projections=torch.randn(1, 32, generator=gen),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.randn(16, 3, generator=gen),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+    return model, inputs
+
+
 def tiny_pipeline(family: str, seed: int = 0):
     """A tiny pipeline of ``family`` (see :data:`FAMILIES`), float32, on CPU, eval mode."""
     if family not in _BUILDERS:

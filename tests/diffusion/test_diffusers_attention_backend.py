@@ -22,6 +22,7 @@ from diffusers.models import attention_dispatch as ad  # noqa: E402
 import omni_kernels.attention as A  # noqa: E402
 import omni_kernels.attention.ops as ops  # noqa: E402
 from omni_diffusion import attention_backend as ob  # noqa: E402
+from omni_diffusion.testing import tiny_flux_transformer  # noqa: E402
 
 HAS_TRITON_FLASH = importlib.util.find_spec("omni_kernels.attention.triton_flash") is not None
 needs_omni_triton = pytest.mark.skipif(
@@ -56,24 +57,7 @@ def restore_active_backend():
 
 
 def _tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
-    ).eval()
-    gen = torch.Generator().manual_seed(1)
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 16, generator=gen),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
-        pooled_projections=torch.randn(1, 32, generator=gen),
-        timestep=torch.tensor([0.5]),
-        img_ids=torch.randn(16, 3, generator=gen),
-        txt_ids=torch.zeros(8, 3),
-        return_dict=False,
-    )
-    return model, inputs
+    return tiny_flux_transformer()
 
 
 def _run(model, inputs):

@@ -26,6 +26,7 @@ pytest.importorskip("safetensors")
 
 import omni_kernels.quant.dispatch as quant_dispatch  # noqa: E402
 from omni_diffusion import quantization as Q  # noqa: E402
+from omni_diffusion.testing import tiny_flux_transformer  # noqa: E402
 from omni_diffusion.quantization import (  # noqa: E402
     DEFAULT_SKIP,
     QuantConfig,
@@ -57,24 +58,7 @@ def _rel(out, ref):
 
 
 def _tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
-    ).eval()
-    gen = torch.Generator().manual_seed(1)
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 16, generator=gen),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
-        pooled_projections=torch.randn(1, 32, generator=gen),
-        timestep=torch.tensor([0.5]),
-        img_ids=torch.randn(16, 3, generator=gen),
-        txt_ids=torch.zeros(8, 3),
-        return_dict=False,
-    )
-    return model, inputs
+    return tiny_flux_transformer()
 
 
 def _tiny_sd3():
