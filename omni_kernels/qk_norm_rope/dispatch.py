@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from omni_kernels._backend_choice import choose_backend
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
 from omni_kernels._triton import triton_unavailable_reason
 from omni_kernels.qk_norm_rope.reference import qk_rmsnorm_rope_reference
@@ -263,31 +264,19 @@ def qk_rmsnorm_rope(
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if q_out is None else q_out
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format) if k_out is None else k_out
 
-    if backend == "auto":
-        reasons = {}
-        for candidate in _AUTO_ORDER_ACROSS_HEADS if norm_across_heads else _AUTO_ORDER:
-            reasons[candidate] = _ineligible_reason(candidate, q, k, q_weight, k_weight, q_out, k_out)
-            if reasons[candidate] is None:
-                backend = candidate
-                break
-        key = (backend, q.device.type, q.dtype, head_dim)
-        if key not in _logged_auto_choices and not torch.compiler.is_compiling():
-            _logged_auto_choices.add(key)
-            skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
-            logger.info(
-                "qk_rmsnorm_rope backend='auto' chose %r for %s %s head_dim=%d%s",
-                backend, q.device.type, q.dtype, head_dim,
-                f" (skipped {skipped})" if skipped else "",
-            )
-        if backend == "torch":
-            return qk_rmsnorm_rope(
-                q, k, q_weight, k_weight, cos, sin, eps=eps, interleaved=interleaved,
-                norm_across_heads=norm_across_heads, backend="torch", q_out=q_out, k_out=k_out,
-            )
-    else:
-        reason = _ineligible_reason(backend, q, k, q_weight, k_weight, q_out, k_out)
-        if reason is not None:
-            raise ValueError(f"qk_rmsnorm_rope backend={backend!r} cannot take these inputs: {reason}")
+    backend = choose_backend(
+        "qk_rmsnorm_rope", backend,
+        _AUTO_ORDER_ACROSS_HEADS if norm_across_heads else _AUTO_ORDER,
+        lambda name: _ineligible_reason(name, q, k, q_weight, k_weight, q_out, k_out),
+        log_key=(q.device.type, q.dtype, head_dim),
+        describe=lambda: f"{q.device.type} {q.dtype} head_dim={head_dim}",
+        logged=_logged_auto_choices, logger=logger,
+    )
+    if backend == "torch":
+        return qk_rmsnorm_rope(
+            q, k, q_weight, k_weight, cos, sin, eps=eps, interleaved=interleaved,
+            norm_across_heads=norm_across_heads, backend="torch", q_out=q_out, k_out=k_out,
+        )
 
     cos = _as_table(cos, seq, head_dim)
     sin = _as_table(sin, seq, head_dim)

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from omni_kernels._backend_choice import choose_backend
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
 from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.quant.reference import (
@@ -268,25 +269,13 @@ def quantize_per_token(
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     operands = dict(norm_weight=norm_weight, norm_bias=norm_bias, mod_scale=mod_scale, mod_shift=mod_shift)
 
-    if backend == "auto":
-        reasons = {}
-        for candidate in _AUTO_ORDER:
-            reasons[candidate] = _ineligible_reason(candidate, x2, qdtype, operands)
-            if reasons[candidate] is None:
-                backend = candidate
-                break
-        key = (backend, x.device.type, x.dtype, qdtype)
-        if key not in _logged_auto_choices and not torch.compiler.is_compiling():
-            _logged_auto_choices.add(key)
-            skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
-            logger.info(
-                "quantize_per_token backend='auto' chose %r for %s %s -> %s%s",
-                backend, x.device.type, x.dtype, qdtype, f" (skipped {skipped})" if skipped else "",
-            )
-    else:
-        reason = _ineligible_reason(backend, x2, qdtype, operands)
-        if reason is not None:
-            raise ValueError(f"quantize_per_token backend={backend!r} cannot take these inputs: {reason}")
+    backend = choose_backend(
+        "quantize_per_token", backend, _AUTO_ORDER,
+        lambda name: _ineligible_reason(name, x2, qdtype, operands),
+        log_key=(x.device.type, x.dtype, qdtype),
+        describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
+        logged=_logged_auto_choices, logger=logger,
+    )
 
     if backend == "torch":
         q, scale = quantize_per_token_reference(
