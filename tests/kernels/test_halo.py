@@ -1,0 +1,115 @@
+"""Halo pack / assemble kernels against the PyTorch reference (CPU: Triton interpreter; GPU: CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_kernels.halo import (
+    HALO_RECV,
+    HALO_REPLICATE,
+    HALO_ZERO,
+    halo_assemble,
+    halo_assemble_reference,
+    halo_pack,
+    halo_pack_reference,
+)
+
+# (N, T, h, W): odd heights and widths, one Wan-like video shard, one image shard.
+SHAPES = [(3, 1, 7, 37), (2, 3, 5, 130), (4, 2, 1, 9)]
+MODES = [(HALO_RECV, HALO_RECV), (HALO_ZERO, HALO_RECV), (HALO_RECV, HALO_REPLICATE),
+         (HALO_REPLICATE, HALO_ZERO)]
+
+
+def _strided_x(inputs, shape, dtype, device):
+    # A view with a padded width and frames axis, so strides are not the contiguous ones.
+    n, t, h, w = shape
+    base = inputs.activations((n, t + 1, h, w + 3), dtype, device)
+    return base[:, 1:, :, 2 : w + 2]
+
+
+def _backends(device):
+    return ["cuda", "triton"] if device == "cuda" else ["triton"]
+
+
+def _run_pack(inputs, rel_err, shape, dtype, device, n_lo, n_hi):
+    x = _strided_x(inputs, shape, dtype, device)
+    n, t, h, w = shape
+    ref_lo = torch.empty(n, t, n_lo, w, dtype=dtype, device=device)
+    ref_hi = torch.empty(n, t, n_hi, w, dtype=dtype, device=device)
+    halo_pack_reference(x, ref_lo, ref_hi)
+    for backend in _backends(device):
+        lo = torch.full_like(ref_lo, float("nan"))
+        hi = torch.full_like(ref_hi, float("nan"))
+        halo_pack(x, lo, hi, backend=backend)
+        assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi), backend
+        assert rel_err(lo, x[:, :, :n_lo]) == 0.0
+
+
+def _run_assemble(inputs, shape, dtype, device, lo_rows, hi_rows, modes):
+    n, t, h, w = shape
+    x = _strided_x(inputs, shape, dtype, device)
+    recv_lo = inputs.activations((n, t, lo_rows, w), dtype, device)
+    recv_hi = inputs.activations((n, t, hi_rows, w), dtype, device)
+    ref = torch.empty(n, t, lo_rows + h + hi_rows, w, dtype=torch.float64, device=device)
+    halo_assemble_reference(x.double(), recv_lo.double(), recv_hi.double(), ref, lo_rows, hi_rows,
+                            *modes)
+    for backend in _backends(device):
+        # The output is a view into a pre-padded buffer (2 leading zero frames, width padding),
+        # as the spatial convolution wrappers pass it.
+        buffer = torch.full((n, t + 2, lo_rows + h + hi_rows, w + 2), float("nan"), dtype=dtype,
+                            device=device)
+        out = buffer[:, 2:, :, 1 : w + 1]
+        halo_assemble(x, recv_lo, recv_hi, out, lo_rows=lo_rows, hi_rows=hi_rows, lo_mode=modes[0],
+                      hi_mode=modes[1], backend=backend)
+        assert torch.equal(out.double(), ref), backend
+        # Nothing outside the view was written.
+        assert torch.isnan(buffer[:, :2]).all() and torch.isnan(buffer[..., 0]).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_matches_reference(inputs, rel_err, shape, dtype):
+    h = shape[2]
+    _run_pack(inputs, rel_err, shape, dtype, "cpu", n_lo=min(1, h), n_hi=min(2, h))
+
+
+def test_pack_zero_rows_on_one_side(inputs, rel_err):
+    _run_pack(inputs, rel_err, (2, 1, 6, 11), torch.float32, "cpu", n_lo=0, n_hi=3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("modes", MODES)
+def test_assemble_matches_reference(inputs, shape, modes):
+    _run_assemble(inputs, shape, torch.float32, "cpu", 1, 2, modes)
+
+
+def test_assemble_fp16_no_halo_on_one_side(inputs):
+    _run_assemble(inputs, (2, 2, 5, 21), torch.float16, "cpu", 0, 1, (HALO_ZERO, HALO_RECV))
+
+
+def test_bad_arguments_name_the_argument():
+    x = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(ValueError, match="send_lo"):
+        halo_pack(x, torch.zeros(2, 1, 5, 8), torch.zeros(2, 1, 1, 8))
+    with pytest.raises(ValueError, match="recv_lo is required"):
+        halo_assemble(x, None, None, torch.zeros(2, 1, 6, 8), lo_rows=1, hi_rows=1,
+                      lo_mode=HALO_RECV, hi_mode=HALO_ZERO)
+    with pytest.raises(ValueError, match="lo_mode"):
+        halo_assemble(x, None, None, torch.zeros(2, 1, 6, 8), lo_rows=1, hi_rows=1,
+                      lo_mode=7, hi_mode=HALO_ZERO)
+    with pytest.raises(ValueError, match="out must be"):
+        halo_assemble(x, None, None, torch.zeros(2, 1, 5, 8), lo_rows=1, hi_rows=1,
+                      lo_mode=HALO_ZERO, hi_mode=HALO_ZERO)
+    with pytest.raises(ValueError, match="backend"):
+        halo_pack(x, torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8), backend="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_and_triton_match_reference_on_gpu(inputs, rel_err, dtype):
+    for shape in [*SHAPES, (2, 96, 3, 1280)]:
+        h = shape[2]
+        _run_pack(inputs, rel_err, shape, dtype, "cuda", n_lo=min(1, h), n_hi=min(2, h))
+        for modes in MODES:
+            _run_assemble(inputs, shape, dtype, "cuda", 1, 2, modes)
