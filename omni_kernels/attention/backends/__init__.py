@@ -11,5 +11,6 @@ from omni_kernels.attention.backends import (  # noqa: F401  (imported to regist
     flash_attn,
     flashinfer,
     sageattention,
+    omni_sage,
     xformers,
 )

@@ -1,0 +1,71 @@
+"""``omni_sage``: omni's quantized attention, INT8 ``Q K^T`` and FP8 ``P V``. **Lossy.**
+
+The kernels are in :mod:`omni_kernels.attention.quantized` (SageAttention-2
+style: K smoothed by its mean over tokens, Q INT8 per token, K INT8 per key
+block, V FP8 e4m3 per channel, P in FP8 with two-level accumulation). Called
+through the ``torch.library`` op ``omni_kernels::sage_attention_fwd``
+(:mod:`omni_kernels.attention.quantized.ops`), so ``torch.compile`` keeps it
+as one node. Quantization runs inside every call (its cost is in the timing).
+
+Takes both layouts through strides, GQA, ``key_lengths``, log-sum-exp; not
+causal, no arbitrary masks, forward only. Head dims 64 and 128. Needs FP8
+tensor cores: compute capability >= 8.9 (Ada, Hopper, Blackwell). On CPU it
+runs under Triton's interpreter (``TRITON_INTERPRET=1``, float16/float32,
+tests only). Being lossy, ``"auto"`` picks it only where the ranking table
+lists it and the caller allows lossy backends; see
+:mod:`omni_diffusion.attention_policy` for keeping chosen layers or denoising
+steps in full precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_kernels._triton import triton_unavailable_reason
+from omni_kernels.attention.backends._util import lazy_import
+from omni_kernels.attention.backends.omni_triton import _input_check  # same Triton constraints
+from omni_kernels.attention.registry import BackendSpec, register_backend
+
+_MODULE = "omni_kernels.attention.quantized.attention_kernel"
+
+
+def _availability(device: torch.device | None) -> str | None:
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        return reason
+    _, reason = lazy_import(_MODULE, "omni", "reinstall omni")
+    return reason
+
+
+def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
+    from omni_kernels.attention.quantized.ops import sage_attention_fwd
+
+    out, lse = sage_attention_fwd(q, k, v, layout, scale, key_lengths)
+    return (out, lse) if return_lse else out
+
+
+SPEC = register_backend(
+    BackendSpec(
+        name="omni_sage",
+        run=_run,
+        description="omni's quantized attention: INT8 QK^T, FP8 PV (Triton; lossy)",
+        devices=("cuda", "cpu"),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_dims=(64, 128),
+        layouts=("bhsd", "bshd"),
+        causal=False,
+        causal_cross=False,
+        gqa=True,
+        key_lengths=True,
+        key_padding_mask=False,
+        lse=True,
+        backward=False,
+        min_capability=(8, 9),
+        lossy=True,
+        package=None,
+        availability=_availability,
+        input_check=_input_check,
+    )
+)

@@ -1,0 +1,399 @@
+"""Quantized attention forward in Triton: INT8 ``Q K^T``, FP8 e4m3 ``P V`` (SageAttention-2 style).
+
+:func:`sage_attention_forward` quantizes ``q``/``k``/``v`` with the kernels of
+:mod:`.quantize` and runs :func:`_sage_fwd_kernel` on the result; the math,
+step by step, is :func:`.reference.quantized_attention_reference`.
+
+Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_flash`)
+---------------------------------------------------------------------------------
+* One program per ``(query block of BLOCK_M rows, batch * query head)``, query
+  block fastest so a head's K/V stream is shared through L2. ``BLOCK_M = 128``
+  with 8 warps: two warpgroups of 64 rows on Hopper.
+* ``S = Q_int8 K_int8^T`` is an ``int8 x int8 -> int32`` ``tl.dot`` (wgmma
+  ``s8``, twice bf16's rate); it is exact, and one multiply by
+  ``q_scale[row] * k_scale[block] * scale * log2(e)`` turns it into base-2 logits.
+* The running max is kept shifted by ``log2(448)`` so ``P = exp2(S - m)`` spans
+  FP8's range ``[0, 448]`` at no cost; ``P`` goes to ``float8e4nv`` and
+  ``P V`` is an FP8 ``tl.dot`` (wgmma ``e4m3``) against V stored transposed
+  (``[D, Skv_pad]``: the B operand of an FP8 wgmma must be K-major).
+* Two-level accumulation: each block's ``P V`` lands in a fresh float32 tile
+  which is then folded into the running accumulator with an fma
+  (``acc * alpha + tile``), because Hopper's FP8 MMA accumulates with reduced
+  precision (~14 bits) and must never sum across blocks. (A plain
+  ``acc * alpha + tile`` could be rewritten by Triton into ``dot(p, v, acc * alpha)``;
+  an fma is not, and is one instruction instead of two.)
+* V's per-channel scale and ``1 / l`` are applied once, in the epilogue.
+* K/V are padded to a multiple of ``BLOCK_N`` by the quantizer (zeros), so the
+  loop loads without masks; only the last partial block (``Skv`` or
+  ``key_lengths[b]`` not a multiple of ``BLOCK_N``) masks scores to ``-inf``.
+* ``use_tma``: K, V^T and Q tiles through host-built TMA descriptors
+  (``triton.tools.tensor_descriptor``), else plain pointer loads.
+
+Limits: forward only; not causal; head_dim 64 or 128; float16/bfloat16 in and
+out (float32 too under the interpreter). Needs FP8 tensor cores: compute
+capability >= 8.9 (Ada, Hopper, Blackwell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
+from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
+from omni_kernels.attention.triton_flash import _bhs_sizes, _bhs_strides
+
+try:  # host-built TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # pragma: no cover - older Triton
+    _TensorDescriptor = None
+
+HEAD_DIMS = (64, 128)
+MIN_CAPABILITY = (8, 9)
+_LN2 = tl.constexpr(0.6931471805599453)
+_SHIFT = tl.constexpr(LOG2_FP8_MAX)
+
+
+@triton.jit
+def _sage_range(
+    acc, l_i, m_i, q, row_scale,
+    k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
+    offs_n, lo, hi, kv_len, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, EMULATE_FP8: tl.constexpr,
+):
+    """Online softmax over key blocks ``[lo, hi)``; ``MASKED`` masks keys ``>= kv_len``.
+
+    ``k_ptrs``/``v_ptrs``/``ks_ptr`` point at block ``lo``'s K tile ``[BLOCK_N, D]``,
+    V^T tile ``[D, BLOCK_N]`` and K scale.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if USE_TMA:
+            k = k_desc.load([k_row0 + start_n, 0])
+        else:
+            k = tl.load(k_ptrs)
+        s_int = tl.dot(q, tl.trans(k))  # int8 x int8 -> int32, exact
+        factor = row_scale * (tl.load(ks_ptr) * qk_scale)
+        s = s_int.to(tl.float32) * factor[:, None]  # base-2 logits
+        if MASKED:
+            s = tl.where((start_n + offs_n)[None, :] < kv_len, s, float("-inf"))
+        # m is kept shifted by log2(448): p = exp2(s - m) fills FP8's [0, 448]
+        m_new = tl.maximum(m_i, tl.max(s, 1) - _SHIFT)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if USE_TMA:
+            vt = v_desc.load([v_row0, start_n])
+        else:
+            vt = tl.load(v_ptrs)
+        # A fresh float32 tile per block, folded in with an fma: Triton combines
+        # `x + dot(a, b, 0)` into `dot(a, b, x)`, which would let the FP8 MMA's
+        # short accumulator sum across blocks; an fma is not rewritten.
+        pv = tl.dot(fp8_convert(p, EMULATE_FP8), tl.trans(vt))
+        acc = tl.fma(acc, tl.broadcast_to(alpha[:, None], acc.shape), pv)
+        k_ptrs += BLOCK_N * HEAD_DIM
+        v_ptrs += BLOCK_N
+        ks_ptr += 1
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _sage_fwd_kernel(
+    Q8, QS, K8, KS, VT8, VS, Out, LSE, KEY_LENGTHS,
+    q_desc, k_desc, v_desc,
+    stride_ob, stride_oh, stride_om,
+    num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_m_blocks, num_k_blocks,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    kv_bh = (b * num_kv_heads + h // (num_heads // num_kv_heads)).to(tl.int64)
+    start_m = m_block * BLOCK_M
+
+    kv_len = seq_k
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_q
+    q_rows = pid_bh.to(tl.int64) * seq_q + offs_m  # rows of the [B*Hq*Sq, D] int8 Q
+
+    if USE_TMA:
+        q = q_desc.load([pid_bh * seq_q + start_m, 0])  # rows past the head are never stored
+    else:
+        q = tl.load(Q8 + q_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0)
+    row_scale = tl.load(QS + q_rows, mask=row_ok, other=0.0)
+
+    k_ptrs = K8 + (kv_bh * seq_k_pad + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    v_ptrs = VT8 + (kv_bh * HEAD_DIM + offs_d[:, None]) * seq_k_pad + offs_n[None, :]
+    ks_ptr = KS + kv_bh * num_k_blocks
+    k_row0 = kv_bh * seq_k_pad
+    v_row0 = kv_bh * HEAD_DIM
+
+    # m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    full_end = (kv_len // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _sage_range(
+        acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
+        offs_n, 0, full_end, kv_len, qk_scale,
+        HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8,
+    )
+    blocks = full_end // BLOCK_N
+    acc, l_i, m_i = _sage_range(
+        acc, l_i, m_i, q, row_scale,
+        k_ptrs + full_end.to(tl.int64) * HEAD_DIM, v_ptrs + full_end, ks_ptr + blocks,
+        k_desc, v_desc, k_row0, v_row0,
+        offs_n, full_end, kv_len, kv_len, qk_scale,
+        HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8,
+    )
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    v_scale = tl.load(VS + kv_bh * HEAD_DIM + offs_d)
+    out = acc * v_scale[None, :] * (1.0 / l_safe)[:, None]  # acc is 0 where l is 0
+    o_ptrs = (
+        Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
+        tl.store(LSE + q_rows, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class SageConfig:
+    """Launch parameters; ``block_n`` is also the K quantization block."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+
+    def describe(self) -> str:
+        return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + ("+tma" if self.use_tma else ""))
+
+
+_INTERPRETER_CONFIG = SageConfig(16, 16, 4, 1)
+
+
+def default_config(head_dim: int, device: torch.device | str | None = None) -> SageConfig:
+    """The fixed config: BLOCK_M 128 / 8 warps (two warpgroups), BLOCK_N 128, 3 stages.
+
+    Not measured yet (bench/quantized_attention_tune.py picks the winner on an
+    H200; the dense kernel's winner at D=128 has the same blocks). Under the
+    interpreter: 16x16 blocks.
+    """
+    if triton_interpreter_enabled():
+        return _INTERPRETER_CONFIG
+    if head_dim <= 64:
+        return SageConfig(128, 128, 8, 3)
+    return SageConfig(128, 128, 8, 3)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def unsupported_reason(q, k, v, layout: str) -> str | None:
+    """None when :func:`sage_attention_forward` takes these inputs, else why not."""
+    if layout not in ("bhsd", "bshd"):
+        return f"layout must be 'bhsd' or 'bshd'; got {layout!r}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"{name} must be a 4-D tensor ({layout}); got {getattr(t, 'shape', type(t).__name__)}"
+        if t.stride(3) != 1:
+            return f"{name}'s last dimension must be contiguous; got strides {tuple(t.stride())}"
+    allowed = (torch.float16, torch.bfloat16) if q.is_cuda else (torch.float16, torch.float32)
+    if q.dtype not in allowed or not (q.dtype == k.dtype == v.dtype):
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        where = "CUDA" if q.is_cuda else "CPU (Triton interpreter)"
+        return f"dtype must be one of ({names}) on {where}, the same for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}"
+    bq, hq, _, d = _bhs_sizes(q, layout)
+    bk, hk, sk, dk = _bhs_sizes(k, layout)
+    bv, hv, sv, dv = _bhs_sizes(v, layout)
+    if not (d == dk == dv) or d not in HEAD_DIMS:
+        return f"head_dim must be one of {HEAD_DIMS} (the same for q, k, v); got {d}, {dk}, {dv}"
+    if not (bq == bk == bv) or (hk, sk) != (hv, sv):
+        return f"q, k, v shapes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} ({layout})"
+    if hk == 0 or hq % hk:
+        return f"query heads ({hq}) must be a multiple of key/value heads ({hk})"
+    if q.is_cuda:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        cap = tuple(torch.cuda.get_device_capability(index))
+        if cap < MIN_CAPABILITY:
+            return (
+                f"needs FP8 tensor cores (compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+                f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(index)} has {cap[0]}.{cap[1]}"
+            )
+    return None
+
+
+def _tma_descriptors(qkv: QuantizedQKV, cfg: SageConfig):
+    """TMA descriptors of the quantized Q ``[B*Hq*Sq, D]``, K ``[B*Hkv*Skv_pad, D]``
+    and V^T ``[B*Hkv*D, Skv_pad]`` (all contiguous), or None when unavailable."""
+    if _TensorDescriptor is None:
+        return None
+    d = qkv.q_int8.shape[-1]
+    q2 = qkv.q_int8.reshape(-1, d)
+    k2 = qkv.k_int8.reshape(-1, d)
+    v2 = qkv.v_fp8.reshape(-1, qkv.v_fp8.shape[-1])
+    if any(t.data_ptr() % 16 for t in (q2, k2, v2)) or v2.shape[1] % 16:
+        return None
+    try:
+        return (
+            _TensorDescriptor(q2, list(q2.shape), [d, 1], [cfg.block_m, d]),
+            _TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d]),
+            _TensorDescriptor(v2, list(v2.shape), [v2.shape[1], 1], [d, cfg.block_n]),
+        )
+    except AssertionError:
+        return None
+
+
+def sage_attention_quantized(
+    qkv: QuantizedQKV,
+    out: torch.Tensor,
+    *,
+    layout: str,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
+    return_lse: bool = False,
+    config: SageConfig | None = None,
+):
+    """Run the attention kernel on already-quantized inputs, writing ``out``.
+
+    ``out``: ``[B, Hq, Sq, D]`` (``bhsd``) or ``[B, Sq, Hq, D]`` (``bshd``),
+    float16/bfloat16 (float32 under the interpreter), last dim contiguous.
+    ``config.block_n`` must equal ``qkv.block_n``. Returns ``out`` or
+    ``(out, lse)`` (float32 ``[B, Hq, Sq]``).
+    """
+    batch, hq, sq, d = qkv.q_int8.shape
+    hkv, skv_pad = qkv.k_int8.shape[1], qkv.k_int8.shape[2]
+    cfg = config or default_config(d, out.device)
+    if cfg.block_n != qkv.block_n:
+        raise ValueError(f"config.block_n ({cfg.block_n}) must equal the quantization block ({qkv.block_n})")
+    lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=out.device) if return_lse else None
+    if key_lengths is not None:
+        key_lengths = key_lengths.to(device=out.device, dtype=torch.int32).contiguous()
+    descs = _tma_descriptors(qkv, cfg) if cfg.use_tma else None
+    use_tma = descs is not None
+    q_desc, k_desc, v_desc = descs if use_tma else (None, None, None)
+    num_m_blocks = triton.cdiv(sq, cfg.block_m)
+    sob, soh, som = _bhs_strides(out, layout)
+    if batch * hq * sq > 0:
+        _sage_fwd_kernel[(num_m_blocks * batch * hq,)](
+            qkv.q_int8, qkv.q_scale, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale, out,
+            lse if lse is not None else out, key_lengths if key_lengths is not None else out,
+            q_desc, k_desc, v_desc,
+            sob, soh, som,
+            hq, hkv, sq, qkv.seq_kv, skv_pad, num_m_blocks, qkv.k_scale.shape[-1],
+            float(scale) * LOG2E,
+            HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HAS_KEY_LENGTHS=key_lengths is not None, RETURN_LSE=return_lse, USE_TMA=use_tma,
+            EMULATE_FP8=triton_interpreter_enabled(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return (out, lse) if return_lse else out
+
+
+def sage_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bhsd",
+    scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    config: SageConfig | None = None,
+):
+    """Quantized attention forward: ``softmax(scale * q k^T) v`` with INT8 ``QK^T``, FP8 ``PV``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]`` (``layout="bhsd"``) or ``[B, Sq, Hq, D]`` (``"bshd"``).
+        k, v: ``[B, Hkv, Skv, D]`` / ``[B, Skv, Hkv, D]``; ``Hq % Hkv == 0``.
+            float16/bfloat16 on CUDA (compute capability >= 8.9), float16/float32
+            on CPU under ``TRITON_INTERPRET=1``; last dim contiguous; D 64 or 128.
+        scale: positive; default ``1 / sqrt(D)``.
+        key_lengths: optional integer ``[B]``: keys ``j >= key_lengths[b]`` are
+            masked; a row with no key outputs 0 (lse ``-inf``).
+        return_lse: also return the natural-log log-sum-exp, float32 ``[B, Hq, Sq]``.
+        out: optional output (q's shape, dtype, device; last dim contiguous).
+        config: optional :class:`SageConfig`.
+
+    Returns:
+        ``out`` (q's shape and dtype, contiguous in ``layout`` unless given) or
+        ``(out, lse)``.
+
+    Raises:
+        ValueError: unsupported inputs (the message names the constraint).
+        RuntimeError: a GPU without FP8 tensor cores, or no way to run Triton here.
+    """
+    reason = unsupported_reason(q, k, v, layout)
+    if reason is not None:
+        raise (RuntimeError if reason.startswith("needs FP8") else ValueError)(
+            f"sage_attention_forward: {reason}"
+        )
+    reason = triton_unavailable_reason(q.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if not (math.isfinite(float(scale)) and float(scale) > 0.0):
+        raise ValueError(f"scale must be positive and finite; got {scale}")
+    batch = q.shape[0]
+    if key_lengths is not None and (
+        not isinstance(key_lengths, torch.Tensor) or tuple(key_lengths.shape) != (batch,)
+        or key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool
+    ):
+        raise ValueError(f"key_lengths must be an integer tensor of shape [{batch}]")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(3) != 1:
+        raise ValueError(
+            f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last "
+            f"dim; got {tuple(out.shape)}, {out.dtype}, {out.device}, strides {tuple(out.stride())}"
+        )
+    cfg = config or default_config(d, q.device)
+    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n)
+    return sage_attention_quantized(
+        qkv, out, layout=layout, scale=float(scale), key_lengths=key_lengths,
+        return_lse=return_lse, config=cfg,
+    )
+
+
+__all__ = [
+    "HEAD_DIMS",
+    "MIN_CAPABILITY",
+    "SageConfig",
+    "default_config",
+    "sage_attention_forward",
+    "sage_attention_quantized",
+    "unsupported_reason",
+]

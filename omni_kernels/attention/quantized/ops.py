@@ -1,0 +1,47 @@
+"""``torch.library`` registration of the quantized attention forward.
+
+``torch.ops.omni_kernels.sage_attention_fwd(q, k, v, layout, scale, key_lengths)
+-> (out, lse)`` wraps :func:`.attention_kernel.sage_attention_forward` (quantize
++ attend) as one opaque node for ``torch.compile``. The fake implementation
+gives ``out`` with ``q``'s shape and dtype, contiguous in ``layout`` (as the real
+one allocates it), and ``lse`` float32 ``[B, Hq, Sq]``. Functional, forward-only.
+
+No ``from __future__ import annotations`` here: ``custom_op`` reads the schema
+from the real annotations.
+"""
+
+from typing import Optional
+
+import torch
+
+from omni_kernels.attention.ops import _output_shapes
+
+OP_NAME = "omni_kernels::sage_attention_fwd"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=(), device_types=None)
+def sage_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: str,
+    scale: float,
+    key_lengths: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``."""
+    from omni_kernels.attention.quantized.attention_kernel import sage_attention_forward
+
+    out_shape, _ = _output_shapes(q, layout)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    return sage_attention_forward(
+        q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=True, out=out,
+    )
+
+
+@sage_attention_fwd.register_fake
+def _(q, k, v, layout, scale, key_lengths):
+    out_shape, lse_shape = _output_shapes(q, layout)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+__all__ = ["OP_NAME", "sage_attention_fwd"]

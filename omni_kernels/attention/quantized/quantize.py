@@ -1,0 +1,206 @@
+"""Triton kernels that quantize Q, K and V for :mod:`.attention_kernel`.
+
+The math is defined in :mod:`.reference` (:func:`~.reference.quantize_qkv_reference`);
+these kernels produce the same bytes. Three launches:
+
+1. :func:`_kv_stats_kernel`: one pass over K and V together: per chunk of
+   tokens, the float32 column sums of K and column maxima of ``|V|``
+   (``[B*Hkv, chunks, D]`` partials; torch adds the few chunks up). K's mean
+   and V's per-channel maximum are reductions over the *whole* sequence that
+   the quantization needs first, so K and V are read twice (stats, then
+   quantization); Q once.
+2. :func:`_q_quant_kernel`: Q to INT8 with one scale per token.
+3. :func:`_kv_quant_kernel`: per key block, K minus its mean to INT8 with one
+   scale per block, and V to FP8 e4m3 with its per-channel scale, written
+   transposed (``[B, Hkv, D, Skv_pad]``) as the FP8 MMA wants it.
+
+Inputs are read through strides (``bhsd`` or ``bshd``, any strides with the
+last dimension contiguous), in float16, bfloat16 or float32.
+
+Triton's interpreter rounds float32 -> float8 wrongly when the rounding carries
+into the exponent (127.9 becomes 64), so under ``TRITON_INTERPRET=1`` the
+conversion first rounds to the e4m3 grid in float32 (:func:`fp8_convert`,
+``EMULATE_FP8``); compiled kernels use the hardware conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels.attention.quantized.reference import FP8_DTYPE, QuantizedQKV
+from omni_kernels.attention.triton_flash import _bhs_sizes, _bhs_strides
+
+STATS_CHUNK = 2048  # tokens per stats program (Wan 720p: 37 chunks x 40 heads)
+Q_BLOCK = 64
+
+
+@triton.jit
+def _round_half_away(x):
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)  # float -> int truncates
+
+
+@triton.jit
+def fp8_convert(x, EMULATE_FP8: tl.constexpr):
+    """float32 ``x`` (``|x| <= 448``) to float8e4nv, round to nearest even."""
+    if EMULATE_FP8:
+        ax = tl.minimum(tl.abs(x), 448.0)
+        # spacing of the e4m3 grid at ax: 2**(e - 3) for normals, 2**-9 below 2**-6
+        e = tl.floor(tl.math.log2(tl.maximum(ax, 0.015625)))
+        ulp = tl.math.exp2(e - 3.0)
+        r = ax / ulp
+        n = tl.floor(r + 0.5)
+        n = tl.where(((n - r) == 0.5) & ((n % 2.0) == 1.0), n - 1.0, n)
+        y = tl.where(x < 0, -n * ulp, n * ulp)
+        return y.to(tl.float8e4nv)  # exact: y is on the grid
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _kv_stats_kernel(
+    K, V, KSUM, VMAX,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    num_kv_heads, seq_k, num_chunks,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_kv_heads).to(tl.int64)
+    h = (bh % num_kv_heads).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    vmax = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s0 in range(chunk * CHUNK, tl.minimum(seq_k, chunk * CHUNK + CHUNK), BLOCK_S):
+        rows = s0 + offs_s
+        ok = (rows < seq_k)[:, None]
+        rows64 = rows.to(tl.int64)[:, None]
+        k = tl.load(k_base + rows64 * stride_kn + offs_d[None, :], mask=ok, other=0.0)
+        v = tl.load(v_base + rows64 * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+        ksum += tl.sum(k.to(tl.float32), 0)
+        vmax = tl.maximum(vmax, tl.max(tl.abs(v.to(tl.float32)), 0))
+    out = (bh.to(tl.int64) * num_chunks + chunk) * HEAD_DIM + offs_d
+    tl.store(KSUM + out, ksum)
+    tl.store(VMAX + out, vmax)
+
+
+@triton.jit
+def _q_quant_kernel(
+    Q, Q8, QS,
+    stride_qb, stride_qh, stride_qm,
+    num_heads, seq_q,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < seq_q
+    x = tl.load(
+        Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qm + offs_d[None, :],
+        mask=ok[:, None], other=0.0,
+    ).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q8 = _round_half_away(x * inv[:, None])
+    row64 = bh.to(tl.int64) * seq_q + rows
+    tl.store(Q8 + row64[:, None] * HEAD_DIM + offs_d[None, :], q8, mask=ok[:, None])
+    tl.store(QS + row64, amax / 127.0, mask=ok)
+
+
+@triton.jit
+def _kv_quant_kernel(
+    K, V, KMEAN, VINV, K8, KS, VT8,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    num_kv_heads, seq_k, seq_k_pad, num_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    b = (bh // num_kv_heads).to(tl.int64)
+    h = (bh % num_kv_heads).to(tl.int64)
+    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (rows < seq_k)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]
+    # ---- K: subtract the mean over tokens, one INT8 scale for the block
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows64 * stride_kn + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    kmean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
+    kc = tl.where(ok, k - kmean[None, :], 0.0)  # padding rows stay 0
+    amax = tl.max(tl.max(tl.abs(kc), 1), 0)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    k8 = _round_half_away(kc * inv)
+    tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
+    tl.store(KS + bh64 * num_blocks + blk, amax / 127.0)
+    # ---- V: per-channel FP8 scale, stored transposed [D, Skv_pad]
+    v = tl.load(V + b * stride_vb + h * stride_vh + rows64 * stride_vn + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    vinv = tl.load(VINV + bh64 * HEAD_DIM + offs_d)
+    v8 = fp8_convert(tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0), EMULATE_FP8)
+    vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
+    tl.store(vt_ptrs, tl.trans(v8))
+
+
+def quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd", block_n: int = 128
+) -> QuantizedQKV:
+    """Quantize ``q``, ``k``, ``v`` (see :mod:`.reference` for the exact math).
+
+    Args:
+        q: ``[B, Hq, Sq, D]`` (``layout="bhsd"``) or ``[B, Sq, Hq, D]`` (``"bshd"``).
+        k, v: ``[B, Hkv, Skv, D]`` / ``[B, Skv, Hkv, D]``; float16, bfloat16 or
+            float32, last dimension contiguous; ``D`` a power of two >= 16.
+        block_n: key block of the K scales; must equal the attention kernel's ``BLOCK_N``.
+
+    Returns:
+        :class:`~.reference.QuantizedQKV` (contiguous, head-major, K and V
+        padded to a multiple of ``block_n`` keys).
+    """
+    batch, hq, sq, d = _bhs_sizes(q, layout)
+    _, hkv, skv, _ = _bhs_sizes(k, layout)
+    device = q.device
+    nblk = triton.cdiv(skv, block_n)
+    skv_pad = nblk * block_n
+    chunks = triton.cdiv(skv, STATS_CHUNK)
+    emulate = triton_interpreter_enabled()
+    stats_block = 16 if emulate else 64
+
+    ksum = torch.empty((batch * hkv, chunks, d), dtype=torch.float32, device=device)
+    vmax = torch.empty_like(ksum)
+    skb, skh, skn = _bhs_strides(k, layout)
+    svb, svh, svn = _bhs_strides(v, layout)
+    _kv_stats_kernel[(chunks, batch * hkv)](
+        k, v, ksum, vmax, skb, skh, skn, svb, svh, svn, hkv, skv, chunks,
+        HEAD_DIM=d, BLOCK_S=stats_block, CHUNK=STATS_CHUNK, num_warps=4,
+    )
+    k_mean = (ksum.sum(dim=1) / skv).reshape(batch, hkv, d)
+    v_amax = vmax.amax(dim=1).reshape(batch, hkv, d)
+    v_inv = torch.where(v_amax > 0, 448.0 / torch.where(v_amax > 0, v_amax, 1.0), 0.0)
+
+    q_int8 = torch.empty((batch, hq, sq, d), dtype=torch.int8, device=device)
+    q_scale = torch.empty((batch, hq, sq), dtype=torch.float32, device=device)
+    sqb, sqh, sqm = _bhs_strides(q, layout)
+    q_block = 16 if emulate else Q_BLOCK
+    _q_quant_kernel[(triton.cdiv(sq, q_block), batch * hq)](
+        q, q_int8, q_scale, sqb, sqh, sqm, hq, sq, HEAD_DIM=d, BLOCK=q_block, num_warps=4,
+    )
+
+    k_int8 = torch.empty((batch, hkv, skv_pad, d), dtype=torch.int8, device=device)
+    k_scale = torch.empty((batch, hkv, nblk), dtype=torch.float32, device=device)
+    v_fp8 = torch.empty((batch, hkv, d, skv_pad), dtype=FP8_DTYPE, device=device)
+    _kv_quant_kernel[(nblk, batch * hkv)](
+        k, v, k_mean, v_inv, k_int8, k_scale, v_fp8,
+        skb, skh, skn, svb, svh, svn, hkv, skv, skv_pad, nblk,
+        HEAD_DIM=d, BLOCK_N=block_n, EMULATE_FP8=emulate, num_warps=8 if block_n >= 128 else 4,
+    )
+    return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_amax / 448.0, skv, block_n)
+
+
+__all__ = ["fp8_convert", "quantize_qkv"]

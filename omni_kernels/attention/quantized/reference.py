@@ -1,0 +1,231 @@
+"""PyTorch reference of omni's quantized attention (SageAttention-2 style): the exact math.
+
+This module *defines* what the Triton kernels in :mod:`.quantize` and
+:mod:`.attention_kernel` compute, step by step, in float32 on any device:
+
+Quantization (:func:`quantize_qkv_reference`), per ``(batch, head)``:
+
+* **Q**, per token: ``q_scale[t] = max_d |q[t, d]| / 127``;
+  ``q_int8[t, d] = round(q[t, d] * (127 / max_d |q[t, d]|))`` (round half away
+  from zero; a row of zeros gets scale 0 and codes 0).
+* **K**, smoothed then per block of ``block_n`` tokens: ``k_mean[d]`` is the
+  mean of ``k[:, d]`` over all ``Skv`` tokens; ``kc = k - k_mean`` (this changes
+  every score of a query row by the same constant ``q . k_mean``, which softmax
+  ignores); ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens,
+  all channels); ``k_int8 = round(kc * (127 / max |kc|))``; rows past ``Skv``
+  (padding up to a multiple of ``block_n``) are 0.
+* **V**, per channel over all tokens: ``v_scale[d] = max_t |v[t, d]| / 448``
+  (448 = largest float8 e4m3 value); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max_t |v[t, d]|))``
+  (round to nearest even), stored **transposed** ``[B, H, D, Skv_pad]`` because
+  the FP8 tensor-core instruction needs P V's B operand contiguous along the
+  key (reduction) dimension.
+
+Attention (:func:`quantized_attention_reference`), online softmax over key
+blocks of ``block_n`` exactly as the kernel runs it (the FP8 rounding of P
+depends on each block's running max, so a one-shot softmax would differ):
+
+* scores in the log2 domain: ``s = (q_int8 . k_int8) * (q_scale[i] * (k_scale[j] * scale * log2(e)))``
+  (the integer dot product is exact: ``|s_int| < 127 * 127 * D``);
+* the running max is kept *shifted* by ``log2(448)``, so ``p = 2**(s - m)`` lies
+  in ``[0, 448]`` and uses FP8's whole range: ``p_fp8 = fp8(p)``;
+* each block's ``p_fp8 @ v_fp8`` is formed in a fresh float32 tile and then
+  added to the running accumulator (two-level accumulation: Hopper's FP8 MMA
+  keeps only ~14 bits of its own accumulator, so it never sums across blocks);
+* ``out = acc * v_scale / l`` with ``l`` the sum of the (unrounded) ``p``;
+  ``lse = (m + log2(l)) * ln(2)``; rows with no valid key give 0 and ``-inf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+LOG2_FP8_MAX = math.log2(FP8_MAX)
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd'; got {layout!r}")
+    return x if layout == "bhsd" else x.transpose(1, 2)
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, ties away from zero (what ``trunc(x +- 0.5)`` gives)."""
+    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
+
+
+def _inverse_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """``top / amax``, and 0 where ``amax`` is 0 (so an all-zero group stays 0)."""
+    return torch.where(amax > 0, top / torch.where(amax > 0, amax, 1.0), 0.0)
+
+
+@dataclasses.dataclass
+class QuantizedQKV:
+    """Quantized attention inputs, all contiguous, head-major.
+
+    Attributes:
+        q_int8: int8 ``[B, Hq, Sq, D]``.
+        q_scale: float32 ``[B, Hq, Sq]``: ``q ~ q_int8 * q_scale[..., None]``.
+        k_int8: int8 ``[B, Hkv, Skv_pad, D]`` of the *smoothed* keys; rows ``>= Skv`` are 0.
+        k_scale: float32 ``[B, Hkv, Skv_pad // block_n]``, one per key block.
+        k_mean: float32 ``[B, Hkv, D]``: the subtracted mean of the keys over tokens.
+        v_fp8: float8_e4m3fn ``[B, Hkv, D, Skv_pad]`` (transposed); columns ``>= Skv`` are 0.
+        v_scale: float32 ``[B, Hkv, D]``: ``v ~ v_fp8^T * v_scale``.
+        seq_kv: the true key count ``Skv``.
+        block_n: the key block of ``k_scale`` (and of the attention kernel).
+    """
+
+    q_int8: torch.Tensor
+    q_scale: torch.Tensor
+    k_int8: torch.Tensor
+    k_scale: torch.Tensor
+    k_mean: torch.Tensor
+    v_fp8: torch.Tensor
+    v_scale: torch.Tensor
+    seq_kv: int
+    block_n: int
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to float8 e4m3 (nearest even, saturating at +-448), as float32."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32)
+
+
+def quantize_qkv_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd", block_n: int = 128
+) -> QuantizedQKV:
+    """The quantization of :mod:`.quantize` in PyTorch (see the module docstring).
+
+    ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Skv, D]`` in ``layout="bhsd"``
+    (``[B, S, H, D]`` for ``"bshd"``), any float dtype; computed in float32.
+    """
+    qb = _bhsd(q, layout).to(torch.float32)
+    kb = _bhsd(k, layout).to(torch.float32)
+    vb = _bhsd(v, layout).to(torch.float32)
+    batch, hkv, skv, d = kb.shape
+    nblk = -(-skv // block_n)
+    pad = nblk * block_n - skv
+
+    q_amax = qb.abs().amax(dim=-1)
+    q_int8 = round_half_away(qb * _inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
+    q_scale = q_amax / INT8_MAX
+
+    k_mean = kb.sum(dim=2) / skv
+    kc = torch.nn.functional.pad(kb - k_mean[:, :, None], (0, 0, 0, pad))
+    blocks = kc.reshape(batch, hkv, nblk, block_n, d)
+    k_amax = blocks.abs().amax(dim=(-1, -2))
+    k_int8 = round_half_away(blocks * _inverse_scale(k_amax, INT8_MAX)[..., None, None])
+    k_int8 = k_int8.to(torch.int8).reshape(batch, hkv, nblk * block_n, d)
+    k_scale = k_amax / INT8_MAX
+
+    v_amax = vb.abs().amax(dim=2)
+    v_scaled = vb * _inverse_scale(v_amax, FP8_MAX)[:, :, None]
+    v_fp8 = torch.nn.functional.pad(v_scaled.clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, pad))
+    v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2).contiguous()
+    v_scale = v_amax / FP8_MAX
+    return QuantizedQKV(
+        q_int8.contiguous(), q_scale.contiguous(), k_int8.contiguous(), k_scale.contiguous(),
+        k_mean.contiguous(), v_fp8, v_scale.contiguous(), skv, block_n,
+    )
+
+
+def dequantize_qkv(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 bhsd ``(q, k_smoothed, v)`` as the quantized tensors represent them (padding dropped)."""
+    q = qkv.q_int8.float() * qkv.q_scale[..., None]
+    scale = qkv.k_scale.repeat_interleave(qkv.block_n, dim=-1)[..., None]
+    k = (qkv.k_int8.float() * scale)[:, :, : qkv.seq_kv]
+    v = (qkv.v_fp8.float() * qkv.v_scale[..., None]).transpose(-1, -2)[:, :, : qkv.seq_kv]
+    return q, k, v
+
+
+def quantized_attention_reference(
+    qkv: QuantizedQKV,
+    *,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Attention on quantized inputs, blockwise as the kernel computes it.
+
+    Returns float32 ``out`` ``[B, Hq, Sq, D]`` (bhsd), or ``(out, lse)`` with
+    ``lse`` float32 ``[B, Hq, Sq]`` (natural log). GQA: query head ``h`` reads
+    kv head ``h // (Hq // Hkv)``. ``key_lengths`` (int ``[B]``): keys
+    ``j >= key_lengths[b]`` are masked; a row without keys gives 0 / ``-inf``.
+    """
+    q8, qs = qkv.q_int8, qkv.q_scale
+    batch, hq, sq, d = q8.shape
+    hkv = qkv.k_int8.shape[1]
+    group = hq // hkv
+    k8 = qkv.k_int8.repeat_interleave(group, dim=1).to(torch.float32)
+    ks = qkv.k_scale.repeat_interleave(group, dim=1)
+    vt = qkv.v_fp8.repeat_interleave(group, dim=1).to(torch.float32)
+    vs = qkv.v_scale.repeat_interleave(group, dim=1)
+    qf = q8.to(torch.float32)
+    qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)
+    device = q8.device
+    lengths = torch.full((batch,), qkv.seq_kv, dtype=torch.int64, device=device)
+    if key_lengths is not None:
+        lengths = key_lengths.to(device=device, dtype=torch.int64).clamp(0, qkv.seq_kv)
+
+    m = torch.full((batch, hq, sq), -1.0e30, dtype=torch.float32, device=device)
+    l_sum = torch.zeros((batch, hq, sq), dtype=torch.float32, device=device)
+    acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=device)
+    bn = qkv.block_n
+    for j in range(-(-qkv.seq_kv // bn)):
+        cols = torch.arange(j * bn, (j + 1) * bn, device=device)
+        s_int = qf @ k8[:, :, j * bn:(j + 1) * bn].transpose(-1, -2)  # exact in float32
+        row = qs * (ks[:, :, j] * qk_scale)[..., None]
+        s = s_int * row[..., None]
+        valid = cols[None, :] < lengths[:, None]  # [B, bn]
+        s = torch.where(valid[:, None, None, :], s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1) - LOG2_FP8_MAX)
+        p = torch.exp2(s - m_new[..., None])
+        alpha = torch.exp2(m - m_new)
+        l_sum = l_sum * alpha + p.sum(dim=-1)
+        pv = fp8_round(p) @ vt[:, :, :, j * bn:(j + 1) * bn].transpose(-1, -2)
+        acc = acc * alpha[..., None] + pv
+        m = m_new
+    has = l_sum > 0
+    safe = torch.where(has, l_sum, 1.0)
+    out = acc * vs[:, :, None, :] / safe[..., None]
+    if not return_lse:
+        return out
+    lse = torch.where(has, (m + torch.log2(safe)) * math.log(2.0), float("-inf"))
+    return out, lse
+
+
+def sage_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bhsd",
+    scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """Quantize then attend: the whole quantized forward, float32 out in ``layout``."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    qkv = quantize_qkv_reference(q, k, v, layout=layout, block_n=block_n)
+    out = quantized_attention_reference(qkv, scale=scale, key_lengths=key_lengths)
+    return out if layout == "bhsd" else out.transpose(1, 2)
+
+
+__all__ = [
+    "FP8_MAX",
+    "INT8_MAX",
+    "QuantizedQKV",
+    "dequantize_qkv",
+    "fp8_round",
+    "quantize_qkv_reference",
+    "quantized_attention_reference",
+    "round_half_away",
+    "sage_attention_reference",
+]
