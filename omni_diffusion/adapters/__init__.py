@@ -21,6 +21,8 @@ from omni_diffusion.adapters.base import (
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
     block_call,
 )
 
@@ -102,6 +104,8 @@ __all__ = [
     "CFGInfo",
     "ModelAdapter",
     "SequenceLayout",
+    "SequenceParallelPlan",
+    "TensorParallelPlan",
     "adapter_for",
     "adapter_for_transformer",
     "block_call",

@@ -159,11 +159,79 @@ class CFGInfo:
         guidance_embedded: the guidance scale enters the transformer as an embedding.
         true_cfg_argument: the pipeline argument that adds separate-call true
             CFG to a distilled model (``"true_cfg_scale"``), if any.
+        scale_argument: for ``"separate"`` mode, the pipeline argument whose
+            value above 1 turns the unconditional call on (default:
+            ``true_cfg_argument``); CFG parallelism reads it before the call.
+        negative_arguments: for ``"separate"`` mode, pipeline arguments of
+            which one must be given for the unconditional call to run (empty:
+            the scale alone decides).
     """
 
     mode: str
     guidance_embedded: bool = False
     true_cfg_argument: str | None = None
+    scale_argument: str | None = None
+    negative_arguments: tuple[str, ...] = ()
+
+    @property
+    def guidance_scale_argument(self) -> str | None:
+        return self.scale_argument or self.true_cfg_argument
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallelPlan:
+    """Where sequence parallelism (:mod:`omni_diffusion.parallel`) splits a family's tokens.
+
+    The image (latent) tokens are split along the sequence across the
+    ``ulysses * ring`` ranks from the first block's input to the last block's
+    output; text tokens stay replicated on every rank (they are few, and the
+    text stream's per-token layers then need no communication).
+
+    Args:
+        joint_attention: fnmatch patterns (relative to the transformer) of the
+            attention modules over text + image tokens (``layout`` says where
+            the text is).
+        image_attention: patterns of attention modules over the image tokens
+            alone (self-attention). Attention modules matching neither
+            (cross-attention to the text) run locally, unchanged.
+        rotary_arg: the block argument holding rotary tables (a tensor or a
+            tuple of tensors), or None.
+        rotary_seq_dim: the sequence dimension of those tables.
+        rotary_covers_text: the tables span text and image tokens (in the
+            layout's order), not the image tokens alone.
+    """
+
+    joint_attention: tuple[str, ...] = ()
+    image_attention: tuple[str, ...] = ()
+    rotary_arg: str | None = None
+    rotary_seq_dim: int = 0
+    rotary_covers_text: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallelism shards a family's blocks (fnmatch patterns relative
+    to the transformer, matched against ``nn.Linear`` / quantized-linear names).
+
+    Args:
+        colwise: output features split across ranks (Q/K/V projections, the
+            first MLP layer); the modules owning a split ``to_q`` get their
+            ``heads`` divided.
+        rowwise: input features split; partial outputs are summed by one
+            all-reduce and the bias is added once.
+        packed_rowwise: rowwise layers whose input is a concatenation of
+            separately column-split parts (Flux's single-block ``proj_out``
+            over ``[attention, mlp]``); the adapter's
+            :meth:`ModelAdapter.tp_packed_sizes` gives the parts.
+        sharded_norms: RMSNorms over all heads at once (Wan's ``norm_q``) whose
+            input is column-split: they become norms that all-reduce the sum
+            of squares.
+    """
+
+    colwise: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ()
+    packed_rowwise: tuple[str, ...] = ()
+    sharded_norms: tuple[str, ...] = ()
 
 
 class ModelAdapter:
@@ -189,6 +257,10 @@ class ModelAdapter:
     cache_disabling_kwargs: ClassVar[tuple[str, ...]] = ()
     #: TeaCache warm-up steps the calibration assumed
     teacache_warmup_steps: ClassVar[int] = 1
+    #: sequence parallelism (None: the family does not support it)
+    sequence_parallel: ClassVar[SequenceParallelPlan | None] = None
+    #: tensor parallelism (None: the family does not support it)
+    tensor_parallel: ClassVar[TensorParallelPlan | None] = None
 
     # ------------------------------------------------------------------ structure
 
@@ -272,6 +344,22 @@ class ModelAdapter:
 
         return undo
 
+    def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
+        """Make attention module ``module`` run its attention through ``parallel``
+        (a :class:`omni_diffusion.parallel.usp.SequenceParallelAttention`).
+
+        Default: its processor goes through diffusers' dispatcher; it is pointed
+        at omni's sequence-parallel diffusers backend with ``parallel`` as its
+        ``_parallel_config`` (which the dispatcher hands to the backend).
+        """
+        from omni_diffusion.parallel.usp import route_dispatcher_processor
+
+        return route_dispatcher_processor(module, parallel)
+
+    def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
+        """The parts of a ``packed_rowwise`` layer's input features, in order."""
+        raise ValueError(f"the {self.name} adapter declares no packed input sizes for {name}")
+
     # ------------------------------------------------------------------ caching
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
@@ -311,6 +399,8 @@ __all__ = [
     "CFGInfo",
     "ModelAdapter",
     "SequenceLayout",
+    "SequenceParallelPlan",
+    "TensorParallelPlan",
     "block_call",
     "modulated_norm_input",
 ]

@@ -29,6 +29,8 @@ from omni_diffusion.adapters.base import (
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
     modulated_norm_input,
 )
 
@@ -46,7 +48,31 @@ class FluxAdapter(ModelAdapter):
         BlockList("single_transformer_blocks"),
     )
     layout = SequenceLayout("joint", text_position="first", text_mask=False, image_dims="HW")
-    cfg = CFGInfo("distilled", guidance_embedded=True, true_cfg_argument="true_cfg_scale")
+    cfg = CFGInfo("distilled", guidance_embedded=True, true_cfg_argument="true_cfg_scale",
+                  negative_arguments=("negative_prompt", "negative_prompt_embeds"))
+    # The rotary tables span text then image tokens.
+    sequence_parallel = SequenceParallelPlan(
+        joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+        rotary_arg="image_rotary_emb", rotary_seq_dim=0, rotary_covers_text=True,
+    )
+    tensor_parallel = TensorParallelPlan(
+        colwise=(
+            "transformer_blocks.*.attn.to_[qkv]",
+            "transformer_blocks.*.attn.add_[qkv]_proj",
+            "transformer_blocks.*.ff.net.0.proj",
+            "transformer_blocks.*.ff_context.net.0.proj",
+            "single_transformer_blocks.*.attn.to_[qkv]",
+            "single_transformer_blocks.*.proj_mlp",
+        ),
+        rowwise=(
+            "transformer_blocks.*.attn.to_out.0",
+            "transformer_blocks.*.attn.to_add_out",
+            "transformer_blocks.*.ff.net.2",
+            "transformer_blocks.*.ff_context.net.2",
+        ),
+        # its input is cat([attention output, mlp hidden]), each column-split
+        packed_rowwise=("single_transformer_blocks.*.proj_out",),
+    )
     quant_skip = (
         "x_embedder",
         "context_embedder",
@@ -65,3 +91,7 @@ class FluxAdapter(ModelAdapter):
 
     def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
         return FLUX_TEACACHE_COEFFICIENTS
+
+    def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
+        inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        return [inner, linear.in_features - inner]

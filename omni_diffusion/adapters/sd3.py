@@ -31,6 +31,8 @@ from omni_diffusion.adapters.base import (
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
     Undo,
     modulated_norm_input,
 )
@@ -44,11 +46,14 @@ class OmniJointAttnProcessor:
     ``backend``: an omni backend name, or None to choose per call
     (``omni_kernels.attention``'s context manager / env / ``"auto"``).
     Calls with an attention mask go to the processor it replaced.
+    ``parallel``: a callable ``(query, key, value) -> out`` (omni's
+    sequence-parallel attention) that replaces the local attention call.
     """
 
-    def __init__(self, backend: str | None, original: Any) -> None:
+    def __init__(self, backend: str | None, original: Any, parallel: Any = None) -> None:
         self.backend = backend
         self.original = original
+        self.parallel = parallel
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  *args, **kwargs):
@@ -82,7 +87,10 @@ class OmniJointAttnProcessor:
             key = torch.cat([key, c_key], dim=1)
             value = torch.cat([value, c_value], dim=1)
 
-        out = attention(query, key, value, backend=self.backend, layout="bshd")
+        if self.parallel is not None:
+            out = self.parallel(query, key, value)
+        else:
+            out = attention(query, key, value, backend=self.backend, layout="bshd")
         out = out.reshape(batch, out.shape[1], -1).to(query.dtype)
 
         context = None
@@ -105,6 +113,26 @@ class SD3Adapter(ModelAdapter):
     block_lists = (BlockList("transformer_blocks"),)
     layout = SequenceLayout("joint", text_position="last", text_mask=False, image_dims="HW")
     cfg = CFGInfo("batched")
+    sequence_parallel = SequenceParallelPlan(
+        joint_attention=("transformer_blocks.*.attn",),
+        image_attention=("transformer_blocks.*.attn2",),  # SD3.5's image-only attention
+    )
+    tensor_parallel = TensorParallelPlan(
+        colwise=(
+            "transformer_blocks.*.attn.to_[qkv]",
+            "transformer_blocks.*.attn.add_[qkv]_proj",
+            "transformer_blocks.*.attn2.to_[qkv]",
+            "transformer_blocks.*.ff.net.0.proj",
+            "transformer_blocks.*.ff_context.net.0.proj",
+        ),
+        rowwise=(
+            "transformer_blocks.*.attn.to_out.0",
+            "transformer_blocks.*.attn.to_add_out",
+            "transformer_blocks.*.attn2.to_out.0",
+            "transformer_blocks.*.ff.net.2",
+            "transformer_blocks.*.ff_context.net.2",
+        ),
+    )
     quant_skip = (
         "pos_embed.*",
         "context_embedder",
@@ -135,6 +163,21 @@ class SD3Adapter(ModelAdapter):
                 module.set_processor(processor)
 
         return undo
+
+    def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
+        processor = module.processor
+        if isinstance(processor, OmniJointAttnProcessor):
+            previous = processor.parallel
+            processor.parallel = parallel
+
+            def undo_parallel() -> None:
+                processor.parallel = previous
+
+            return undo_parallel
+        if type(processor).__name__ in _REPLACED_PROCESSORS:
+            module.set_processor(OmniJointAttnProcessor(parallel.backend, processor, parallel))
+            return lambda: module.set_processor(processor)
+        return super().apply_parallel_attention(module, parallel)
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
         return modulated_norm_input(block.norm1, call)

@@ -26,7 +26,15 @@ import torch
 from torch import nn
 
 from omni_diffusion.adapters import register_adapter
-from omni_diffusion.adapters.base import BlockCall, BlockList, CFGInfo, ModelAdapter, SequenceLayout
+from omni_diffusion.adapters.base import (
+    BlockCall,
+    BlockList,
+    CFGInfo,
+    ModelAdapter,
+    SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
+)
 
 #: TeaCache4Wan2.1 ``e0`` polynomials, highest power first
 WAN21_TEACACHE_COEFFICIENTS = {
@@ -45,7 +53,17 @@ class WanAdapter(ModelAdapter):
     transformer_attrs = ("transformer", "transformer_2")
     block_lists = (BlockList("blocks", encoder_arg=None, outputs=("hidden",)),)
     layout = SequenceLayout("cross", text_position=None, text_mask=False, image_dims="FHW")
-    cfg = CFGInfo("separate")
+    cfg = CFGInfo("separate", scale_argument="guidance_scale")
+    # Self-attention is sharded; cross-attention (attn2) keeps its replicated text keys.
+    sequence_parallel = SequenceParallelPlan(
+        image_attention=("blocks.*.attn1",), rotary_arg="rotary_emb", rotary_seq_dim=1,
+    )
+    tensor_parallel = TensorParallelPlan(
+        colwise=("blocks.*.attn[12].to_[qkv]", "blocks.*.attn2.add_[kv]_proj", "blocks.*.ffn.net.0.proj"),
+        rowwise=("blocks.*.attn[12].to_out.0", "blocks.*.ffn.net.2"),
+        # Wan's q/k RMSNorm spans all heads
+        sharded_norms=("blocks.*.attn[12].norm_[qk]", "blocks.*.attn2.norm_added_k"),
+    )
     quant_skip = ("patch_embedding", "condition_embedder.*", "proj_out")
     teacache_warmup_steps = 5
 

@@ -1,0 +1,87 @@
+"""What each rank of a :class:`_pool.DistPool` runs: ``fn(rank, world, *args)``.
+
+Every rank builds the same seeded inputs, computes the single-process reference
+itself, then the parallel result, and returns the max abs difference (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_diffusion.parallel import ParallelConfig, build_mesh
+from omni_diffusion.parallel.config import offsets, split_sizes
+
+
+def _outliers(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    mask = torch.rand(x.shape, generator=gen) < 0.01
+    return torch.where(mask, x * 8.0, x)
+
+
+def attention_case(rank, world, ulysses, ring, batch, text, image, heads, dim, text_first, seed):
+    """SequenceParallelAttention against full attention on the same q/k/v."""
+    from omni_diffusion.parallel.usp import SequenceGroups, SequenceParallelAttention, SequenceState
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (_outliers(torch.randn(batch, text + image, heads, dim, generator=gen), gen)
+               for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).double() for x in (q, k, v))).transpose(1, 2).float()
+    mesh = build_mesh(ParallelConfig(ulysses=ulysses, ring=ring, cfg=world // (ulysses * ring)), "cpu")
+    groups = SequenceGroups.from_mesh(mesh)
+    sizes = split_sizes(image, groups.degree)
+    start, mine = offsets(sizes)[groups.rank], sizes[groups.rank]
+
+    def local(x):
+        if text_first:
+            return torch.cat([x[:, :text], x[:, text + start: text + start + mine]], dim=1)
+        return torch.cat([x[:, start:start + mine], x[:, image:]], dim=1)
+
+    state = SequenceState(image_sizes=sizes, text_len=text)
+    sp = SequenceParallelAttention(groups, state, joint=text > 0, text_first=text_first,
+                                   backend="sdpa_math")
+    out = sp(local(q), local(k), local(v))
+    return (out - local(ref)).abs().max().item()
+
+
+def pipeline_case(rank, world, family, config, steps=2, cfg=True, overrides=None):
+    """A tiny pipeline, parallelized by ``config`` (a ParallelConfig dict), against
+    the same pipeline run whole on this rank; returns (max abs diff, max |ref|)."""
+    from omni_diffusion.parallel import parallelize
+    from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    overrides = overrides or {}
+
+    def generate():
+        kwargs = tiny_call_kwargs(family, steps=steps, cfg=cfg, pipe=pipe, **overrides)
+        with torch.no_grad():
+            return output_tensor(pipe(**kwargs)).float()
+
+    ref = generate()
+    undo = parallelize(pipe, ParallelConfig(**config), device_type="cpu")
+    try:
+        out = generate()
+    finally:
+        undo()
+    again = generate()  # undo restored the single-process model
+    return (out - ref).abs().max().item(), ref.abs().max().item(), (again - ref).abs().max().item()
+
+
+def bad_config_case(rank, world, family, config):
+    """The error a bad config raises (its message), checked to come before any collective."""
+    import torch.distributed as dist
+
+    from omni_diffusion.parallel import parallelize
+    from omni_diffusion.testing import tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    # A collective only rank 0 would enter would hang the others: every rank
+    # must fail at the same point, so each reports its own message.
+    try:
+        parallelize(pipe, ParallelConfig(**config), device_type="cpu")
+    except (ValueError, ImportError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        message = None
+    dist.barrier()  # all ranks got here: nobody is stuck in a collective
+    return message
