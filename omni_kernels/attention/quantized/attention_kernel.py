@@ -381,7 +381,9 @@ def sage_attention_forward(
             f"dim; got {tuple(out.shape)}, {out.dtype}, {out.device}, strides {tuple(out.stride())}"
         )
     cfg = config or default_config(d, q.device)
-    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n)
+    if key_lengths is not None:
+        key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
+    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths)
     return sage_attention_quantized(
         qkv, out, layout=layout, scale=float(scale), key_lengths=key_lengths,
         return_lse=return_lse, config=cfg,

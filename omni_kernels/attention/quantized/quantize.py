@@ -60,14 +60,17 @@ def fp8_convert(x, EMULATE_FP8: tl.constexpr):
 
 @triton.jit
 def _kv_stats_kernel(
-    K, V, KSUM, VMAX,
+    K, V, KSUM, VMAX, KEY_LENGTHS,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_kv_heads, seq_k, num_chunks,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_kv_heads).to(tl.int64)
+    if HAS_KEY_LENGTHS:  # keys past a sample's length are padding: keep them out of the stats
+        seq_k = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     h = (bh % num_kv_heads).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -115,10 +118,11 @@ def _q_quant_kernel(
 
 @triton.jit
 def _kv_quant_kernel(
-    K, V, KMEAN, VINV, K8, KS, VT8,
+    K, V, KMEAN, VINV, K8, KS, VT8, KEY_LENGTHS,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_kv_heads, seq_k, seq_k_pad, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -127,7 +131,10 @@ def _kv_quant_kernel(
     h = (bh % num_kv_heads).to(tl.int64)
     rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    ok = (rows < seq_k)[:, None]
+    kv_len = seq_k
+    if HAS_KEY_LENGTHS:  # padding keys are written as 0 and stay out of the block scale
+        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
+    ok = (rows < kv_len)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
     # ---- K: subtract the mean over tokens, one INT8 scale for the block
     k = tl.load(K + b * stride_kb + h * stride_kh + rows64 * stride_kn + offs_d[None, :],
@@ -148,8 +155,21 @@ def _kv_quant_kernel(
     tl.store(vt_ptrs, tl.trans(v8))
 
 
+def _key_counts(key_lengths, batch: int, seq_k: int, device) -> torch.Tensor:
+    """float32 ``[B, 1, 1]``: the keys each sample's mean is over (at least 1)."""
+    if key_lengths is None:
+        return torch.full((batch, 1, 1), float(max(seq_k, 1)), device=device)
+    return key_lengths.clamp(1, max(seq_k, 1)).to(device=device, dtype=torch.float32).reshape(batch, 1, 1)
+
+
 def quantize_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd", block_n: int = 128
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bhsd",
+    block_n: int = 128,
+    key_lengths: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """Quantize ``q``, ``k``, ``v`` (see :mod:`.reference` for the exact math).
 
@@ -158,6 +178,9 @@ def quantize_qkv(
         k, v: ``[B, Hkv, Skv, D]`` / ``[B, Skv, Hkv, D]``; float16, bfloat16 or
             float32, last dimension contiguous; ``D`` a power of two >= 16.
         block_n: key block of the K scales; must equal the attention kernel's ``BLOCK_N``.
+        key_lengths: optional int32 ``[B]`` on q's device: keys ``j >= key_lengths[b]``
+            are padding; they are left out of K's mean, V's scales and the K
+            block scales, and written as 0.
 
     Returns:
         :class:`~.reference.QuantizedQKV` (contiguous, head-major, K and V
@@ -177,10 +200,12 @@ def quantize_qkv(
     skb, skh, skn = _bhs_strides(k, layout)
     svb, svh, svn = _bhs_strides(v, layout)
     _kv_stats_kernel[(chunks, batch * hkv)](
-        k, v, ksum, vmax, skb, skh, skn, svb, svh, svn, hkv, skv, chunks,
-        HEAD_DIM=d, BLOCK_S=stats_block, CHUNK=STATS_CHUNK, num_warps=4,
+        k, v, ksum, vmax, key_lengths if key_lengths is not None else ksum,
+        skb, skh, skn, svb, svh, svn, hkv, skv, chunks,
+        HEAD_DIM=d, BLOCK_S=stats_block, CHUNK=STATS_CHUNK,
+        HAS_KEY_LENGTHS=key_lengths is not None, num_warps=4,
     )
-    k_mean = (ksum.sum(dim=1) / skv).reshape(batch, hkv, d)
+    k_mean = (ksum.sum(dim=1).reshape(batch, hkv, d) / _key_counts(key_lengths, batch, skv, device))
     v_amax = vmax.amax(dim=1).reshape(batch, hkv, d)
     v_inv = torch.where(v_amax > 0, 448.0 / torch.where(v_amax > 0, v_amax, 1.0), 0.0)
 
@@ -197,8 +222,10 @@ def quantize_qkv(
     v_fp8 = torch.empty((batch, hkv, d, skv_pad), dtype=FP8_DTYPE, device=device)
     _kv_quant_kernel[(nblk, batch * hkv)](
         k, v, k_mean, v_inv, k_int8, k_scale, v_fp8,
+        key_lengths if key_lengths is not None else k_scale,
         skb, skh, skn, svb, svh, svn, hkv, skv, skv_pad, nblk,
-        HEAD_DIM=d, BLOCK_N=block_n, EMULATE_FP8=emulate, num_warps=8 if block_n >= 128 else 4,
+        HEAD_DIM=d, BLOCK_N=block_n, EMULATE_FP8=emulate,
+        HAS_KEY_LENGTHS=key_lengths is not None, num_warps=8 if block_n >= 128 else 4,
     )
     return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_amax / 448.0, skv, block_n)
 

@@ -11,7 +11,8 @@ Quantization (:func:`quantize_qkv_reference`), per ``(batch, head)``:
 * **K**, smoothed then per block of ``block_n`` tokens: ``k_mean[d]`` is the
   mean of ``k[:, d]`` over all ``Skv`` tokens; ``kc = k - k_mean`` (this changes
   every score of a query row by the same constant ``q . k_mean``, which softmax
-  ignores); ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens,
+  ignores); with ``key_lengths`` the keys past a sample's length are padding:
+  zeroed before every statistic, the mean taken over the valid keys; ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens,
   all channels); ``k_int8 = round(kc * (127 / max |kc|))``; rows past ``Skv``
   (padding up to a multiple of ``block_n``) are 0.
 * **V**, per channel over all tokens: ``v_scale[d] = max_t |v[t, d]| / 448``
@@ -98,17 +99,32 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd", block_n: int = 128
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bhsd",
+    block_n: int = 128,
+    key_lengths: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """The quantization of :mod:`.quantize` in PyTorch (see the module docstring).
 
     ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Skv, D]`` in ``layout="bhsd"``
     (``[B, S, H, D]`` for ``"bshd"``), any float dtype; computed in float32.
+    ``key_lengths`` (int ``[B]``): keys ``j >= key_lengths[b]`` are padding, set
+    to 0 before any statistic (mean over the valid keys only).
     """
     qb = _bhsd(q, layout).to(torch.float32)
     kb = _bhsd(k, layout).to(torch.float32)
     vb = _bhsd(v, layout).to(torch.float32)
     batch, hkv, skv, d = kb.shape
+    count = torch.full((batch,), float(max(skv, 1)), device=kb.device)
+    valid = torch.ones((batch, 1, skv, 1), dtype=torch.bool, device=kb.device)
+    if key_lengths is not None:
+        lengths = key_lengths.to(device=kb.device, dtype=torch.int64).clamp(0, skv)
+        valid = (torch.arange(skv, device=kb.device)[None, :] < lengths[:, None])[:, None, :, None]
+        count = lengths.clamp_min(1).to(torch.float32)
+        kb, vb = kb * valid, vb * valid
     nblk = -(-skv // block_n)
     pad = nblk * block_n - skv
 
@@ -116,8 +132,8 @@ def quantize_qkv_reference(
     q_int8 = round_half_away(qb * _inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
     q_scale = q_amax / INT8_MAX
 
-    k_mean = kb.sum(dim=2) / skv
-    kc = torch.nn.functional.pad(kb - k_mean[:, :, None], (0, 0, 0, pad))
+    k_mean = kb.sum(dim=2) / count[:, None, None]
+    kc = torch.nn.functional.pad((kb - k_mean[:, :, None]) * valid, (0, 0, 0, pad))
     blocks = kc.reshape(batch, hkv, nblk, block_n, d)
     k_amax = blocks.abs().amax(dim=(-1, -2))
     k_int8 = round_half_away(blocks * _inverse_scale(k_amax, INT8_MAX)[..., None, None])
@@ -213,7 +229,7 @@ def sage_attention_reference(
     """Quantize then attend: the whole quantized forward, float32 out in ``layout``."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    qkv = quantize_qkv_reference(q, k, v, layout=layout, block_n=block_n)
+    qkv = quantize_qkv_reference(q, k, v, layout=layout, block_n=block_n, key_lengths=key_lengths)
     out = quantized_attention_reference(qkv, scale=scale, key_lengths=key_lengths)
     return out if layout == "bhsd" else out.transpose(1, 2)
 
