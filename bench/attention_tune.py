@@ -74,6 +74,9 @@ CONFIGS = [
     C(128, 32, 8, 3),  # D=256 default on Hopper
     C(128, 32, 8, 4),
     C(64, 64, 4, 3),
+    C(128, 128, 8, 3, use_tma=True, warp_specialize=True),
+    C(128, 128, 8, 2, use_tma=True, warp_specialize=True),
+    C(128, 64, 8, 3, use_tma=True, warp_specialize=True),
 ]
 # --explore: a wider sweep (occupancy: register caps for two CTAs per SM,
 # 64-row blocks, deeper pipelines).

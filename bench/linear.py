@@ -7,9 +7,9 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
 
 * ``bf16``: ``F.linear`` (cuBLAS), the baseline.
 * ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"``, backend ``aten``
-  (per-token activation quantization + ``torch._scaled_mm`` row-wise, fast accumulation);
-  ``omni-fp8-precise`` the same without fast accumulation; ``omni-fp8-triton`` omni's
-  Triton GEMM.
+  (per-token activation quantization + ``torch._scaled_mm`` row-wise, ``fast_accum="auto"``:
+  fast accumulation up to K=8192, promoted above); ``omni-fp8-precise`` / ``omni-fp8-fast``
+  the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM.
 * ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
   ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
 * ``omni-{fp8,int8}-wo-{aten,triton}``: weight-only layers.
@@ -91,11 +91,11 @@ SHAPES = {
 ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
 VARIANTS = ESSENTIAL + (
     "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton",
-    "omni-fp8-precise", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
+    "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
     "omni-int8-wo-triton",
 )
 # Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
-_WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise"}
+_WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast"}
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
 ERROR_ROWS = 2048
 DEVICE = "cuda"
@@ -176,6 +176,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
             return omni("fp8", "aten"), True
         if variant == "omni-fp8-precise":
             return omni("fp8", "aten", fast_accum=False), True
+        if variant == "omni-fp8-fast":
+            return omni("fp8", "aten", fast_accum=True), True
         if variant == "omni-fp8-triton":
             return omni("fp8", "triton"), True
         if variant == "omni-int8":

@@ -95,7 +95,10 @@ class QuantConfig:
             ``"cuda"``, ``"triton"`` or ``"torch"``.
         clamp: ``None``, or clip activations to ``[-clamp, clamp]`` before their
             per-token scale is taken (W8A8 only).
-        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` for FP8 W8A8.
+        fast_accum: FP8 W8A8 accumulation: ``True`` (Hopper's fast, reduced-precision
+            accumulation over all of K), ``False`` (promoted to float32 after every MMA)
+            or ``"auto"`` (fast only up to ``K = 8192``, measured: see
+            ``omni_kernels.quant.linear.FAST_ACCUM_MAX_K``).
     """
 
     method: str = "fp8"
@@ -105,7 +108,7 @@ class QuantConfig:
     backend: str = "auto"
     activation_backend: str = "auto"
     clamp: float | None = None
-    fast_accum: bool = True
+    fast_accum: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -128,8 +131,8 @@ class QuantConfig:
             ):
                 raise ValueError(f"QuantConfig.clamp must be None or a finite number > 0; got {self.clamp!r}")
             object.__setattr__(self, "clamp", float(self.clamp))
-        if not isinstance(self.fast_accum, bool):
-            raise ValueError(f"QuantConfig.fast_accum must be True or False; got {self.fast_accum!r}")
+        if not (isinstance(self.fast_accum, bool) or self.fast_accum == "auto"):
+            raise ValueError(f"QuantConfig.fast_accum must be True, False or 'auto'; got {self.fast_accum!r}")
 
     @property
     def weight_only(self) -> bool:

@@ -75,15 +75,18 @@ def _attn_range(
     lo, hi, kv_len, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, FP32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Online-softmax over key blocks ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``).
 
     ``MASKED=False`` is the hot loop: every key of every block is visible to
     every row, so there are no compares and no predicated loads.
+    ``WARP_SPECIALIZE`` asks Triton's compiler to split the loop into producer
+    (loads) and consumer (MMA + softmax) warp groups.
     """
     k_ptrs = k_base + tl.cast(lo, tl.int64) * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None]
     v_ptrs = v_base + tl.cast(lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if MASKED:
             key_ok = (start_n + offs_n) < kv_len
@@ -235,6 +238,7 @@ def _attn_fwd_kernel(
     TMA_BSHD: tl.constexpr,
     FP32: tl.constexpr,
     PIPELINE_QK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
@@ -313,7 +317,7 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_row0, kv_col,
             stride_kn, stride_vn, offs_m, offs_n, offs_d,
             0, full_end, kv_len, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_TMA, FP32,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_TMA, FP32, WARP_SPECIALIZE,
         )
     acc, l_i, m_i = _attn_range(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_row0, kv_col,
@@ -355,9 +359,11 @@ class AttentionConfig:
     use_tma: bool = False  # TMA loads from host-built descriptors (sm_90+, packed layouts)
     pipeline_qk: bool = False  # issue the next block's Q K^T before this block's softmax
     maxnreg: int | None = None  # register cap per thread (e.g. 128: two 8-warp CTAs per SM)
+    warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
 
     def describe(self) -> str:
         flags = ("+tma" if self.use_tma else "") + ("+pqk" if self.pipeline_qk else "")
+        flags += "+ws" if self.warp_specialize else ""
         if self.maxnreg:
             flags += f" r{self.maxnreg}"
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
@@ -576,6 +582,7 @@ def _launch(q, k, v, out, lse, key_lengths, layout, causal, qk_scale, cfg, dims)
         TMA_BSHD=use_tma and layout == "bshd",
         FP32=fp32,
         PIPELINE_QK=bool(cfg.pipeline_qk) and not fp32,
+        WARP_SPECIALIZE=bool(cfg.warp_specialize) and not fp32 and not triton_interpreter_enabled(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **extra,

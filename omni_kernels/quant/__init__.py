@@ -27,6 +27,7 @@ from omni_kernels.quant.linear import (
     QuantizedLinear,
     quantize_weight,
     quantized_linear,
+    resolve_fast_accum,
     scaled_mm,
     weight_only_mm,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "quantize_per_token_reference",
     "quantize_weight",
     "quantized_linear",
+    "resolve_fast_accum",
     "scaled_mm",
     "supported_backends",
     "weight_only_mm",

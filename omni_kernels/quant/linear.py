@@ -86,14 +86,15 @@ def _scaled_mm_triton_op(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     from omni_kernels.quant.triton_gemm import launch_scaled_gemm_triton
 
-    return launch_scaled_gemm_triton(a, b, a_scale, b_scale, bias, out_dtype)
+    return launch_scaled_gemm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum)
 
 
 @_scaled_mm_triton_op.register_fake
-def _(a, b, a_scale, b_scale, bias, out_dtype):
+def _(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -207,6 +208,22 @@ def _choose(kind, backend, reason_of, device, m, what):
 # --------------------------------------------------------------------------- GEMMs
 
 
+# Measured on an H200 (bench/results/linear_nvidia-h200_20261129.md, activations with
+# outlier channels): with fast accumulation the FP8 GEMM's error against the same
+# operands in float32 grew from ~1.6e-2 at K=3072 to 1.2e-1 at K=12288 (Flux's MLP
+# down projection), against ~3e-3 when promoted; the promoted GEMM costs ~8-20%.
+FAST_ACCUM_MAX_K = 8192
+
+
+def resolve_fast_accum(fast_accum: bool | str, k: int) -> bool:
+    """``True``/``False`` as given; ``"auto"``: fast accumulation only for ``K <= FAST_ACCUM_MAX_K``."""
+    if fast_accum == "auto":
+        return k <= FAST_ACCUM_MAX_K
+    if not isinstance(fast_accum, bool):
+        raise ValueError(f"fast_accum must be True, False or 'auto'; got {fast_accum!r}")
+    return fast_accum
+
+
 def scaled_mm(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -216,14 +233,15 @@ def scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     backend: str = "auto",
-    fast_accum: bool = True,
+    fast_accum: bool | str = "auto",
 ) -> torch.Tensor:
     """W8A8 GEMM: ``(x_q * x_scale) @ (w_q * w_scale)^T + bias`` as ``[M, N]`` ``out_dtype``.
 
     ``x_q`` ``[M, K]`` and ``w_q`` ``[N, K]`` both FP8 e4m3 or both INT8, row-major;
     ``x_scale`` ``[M, 1]`` float32, ``w_scale`` ``[N]`` float32; ``bias`` ``[N]``.
-    ``fast_accum`` is ``torch._scaled_mm``'s ``use_fast_accum`` (FP8 on Hopper
-    accumulates in reduced precision between promotions; faster, slightly less exact).
+    ``fast_accum`` (FP8 only): ``True`` lets Hopper's tensor cores accumulate all
+    of K in reduced precision (``torch._scaled_mm``'s ``use_fast_accum``), ``False``
+    promotes to float32 after every MMA, ``"auto"`` is :func:`resolve_fast_accum`.
     """
     if x_q.dim() != 2 or w_q.dim() != 2 or x_q.shape[1] != w_q.shape[1]:
         raise ValueError(f"x_q [M, K] and w_q [N, K] must agree in K; got {tuple(x_q.shape)}, {tuple(w_q.shape)}")
@@ -237,6 +255,7 @@ def scaled_mm(
     if bias is not None and bias.numel() != n:
         raise ValueError(f"bias must have N={n} elements; got {tuple(bias.shape)}")
     kind = "fp8" if x_q.dtype == FP8_DTYPE else "int8"
+    fast_accum = resolve_fast_accum(fast_accum, x_q.shape[1])
 
     def reason_of(candidate):
         if candidate == "aten":
@@ -251,7 +270,7 @@ def scaled_mm(
     if chosen == "torch":
         return scaled_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     if chosen == "triton":
-        return torch.ops.omni_kernels.scaled_mm_triton(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+        return torch.ops.omni_kernels.scaled_mm_triton(x_q, w_q, x_scale, w_scale, bias, out_dtype, fast_accum)
     if kind == "fp8":
         return torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, n),
@@ -313,7 +332,7 @@ def quantized_linear(
     backend: str = "auto",
     activation_backend: str = "auto",
     clamp: float | None = None,
-    fast_accum: bool = True,
+    fast_accum: bool | str = "auto",
 ) -> torch.Tensor:
     """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
 
@@ -360,7 +379,7 @@ class QuantizedLinear(nn.Module):
         backend: str = "auto",
         activation_backend: str = "auto",
         clamp: float | None = None,
-        fast_accum: bool = True,
+        fast_accum: bool | str = "auto",
     ) -> None:
         super().__init__()
         if method not in QUANT_METHODS:
@@ -375,6 +394,7 @@ class QuantizedLinear(nn.Module):
         self.backend = backend
         self.activation_backend = activation_backend
         self.clamp = clamp
+        resolve_fast_accum(fast_accum, in_features)  # validates
         self.fast_accum = fast_accum
         qdtype = _METHOD_DTYPES[method]
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=qdtype, device=device))

@@ -98,8 +98,11 @@ def quantize_rows(y: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, t
     qmax = qmax_of(qdtype)
     y = y.float()
     amax = y.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_ABSMAX)
-    scale = amax / qmax
-    v = (y * (qmax / amax)).clamp(-qmax, qmax)
+    # Tensor / tensor: CUDA tensor-by-scalar division multiplies by the scalar's
+    # reciprocal, which is not the correctly rounded quotient the kernels compute.
+    qmax_t = torch.full_like(amax, qmax)
+    scale = amax / qmax_t
+    v = (y * (qmax_t / amax)).clamp(-qmax, qmax)
     if qdtype == INT8_DTYPE:
         q = torch.round(v).to(torch.int8)  # torch.round rounds half to even
     else:

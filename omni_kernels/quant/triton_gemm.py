@@ -35,7 +35,7 @@ def _scaled_gemm_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     HAS_A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, B_TO_A: tl.constexpr,
-    INT_ACC: tl.constexpr, EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+    INT_ACC: tl.constexpr, EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -77,8 +77,12 @@ def _scaled_gemm_kernel(
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         elif IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
+        elif FAST_ACCUM:
+            acc = tl.dot(a, b, acc)  # FP8 on sm_90: Triton's default, no promotion over K
         else:
-            acc = tl.dot(a, b, acc)
+            # FP8 on sm_90: promote the tensor cores' reduced-precision partial sums to
+            # float32 after every MMA (what torch._scaled_mm's use_fast_accum=False does).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -153,8 +157,13 @@ def launch_scaled_gemm_triton(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a @ b^T) * a_scale * b_scale + bias`` as ``[M, N]`` ``out_dtype``.
+
+    ``fast_accum`` (FP8 x FP8 only) lets the Hopper tensor cores accumulate over
+    all of K in their reduced-precision accumulator; otherwise partial sums are
+    promoted to float32 after every MMA.
 
     ``a`` ``[M, K]`` (INT8, FP8, or float for weight-only), ``b`` ``[N, K]``
     (INT8 or FP8), both with any strides; ``a_scale`` ``[M, 1]`` float32 or
@@ -188,6 +197,7 @@ def launch_scaled_gemm_triton(
         B_TO_A=weight_only,
         INT_ACC=a.dtype == torch.int8 and b.dtype == torch.int8,
         IEEE_FP32=a.dtype == torch.float32,
+        FAST_ACCUM=bool(fast_accum),
     )
     if triton_interpreter_enabled():
         config = _INTERPRETER_CONFIG

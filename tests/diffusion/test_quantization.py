@@ -156,7 +156,7 @@ BAD_CONFIGS = [
     ("activation_backend", dict(activation_backend="aten"), r"QuantConfig\.activation_backend must be one of"),
     ("clamp", dict(clamp=0), r"QuantConfig\.clamp must be None or a finite number > 0; got 0"),
     ("clamp_inf", dict(clamp=float("inf")), r"QuantConfig\.clamp must be None or a finite number > 0"),
-    ("fast_accum", dict(fast_accum="yes"), r"QuantConfig\.fast_accum must be True or False"),
+    ("fast_accum", dict(fast_accum="yes"), r"QuantConfig\.fast_accum must be True, False or 'auto'"),
 ]
 
 

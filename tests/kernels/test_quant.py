@@ -63,7 +63,15 @@ def _assert_same_quantization(q, scale, q_ref, scale_ref, *, max_code_diff=0, ma
     else:
         codes = (q.int() - q_ref.int()).abs().double()
     worst = codes.max().item()
-    assert worst <= max_code_diff + 1e-9, f"quantized values differ by up to {worst} steps"
+    if worst > max_code_diff + 1e-9:
+        at = int(codes.argmax().item())
+        row = at // q.shape[-1]
+        raise AssertionError(
+            f"quantized values differ by up to {worst} steps: at flat index {at} (row {row}) "
+            f"{q.reshape(-1)[at].item()} vs reference {q_ref.reshape(-1)[at].item()}, row scale "
+            f"{scale.reshape(-1)[row].item():.9e} vs {scale_ref.reshape(-1)[row].item():.9e}; "
+            f"{int((codes > max_code_diff + 1e-9).sum().item())} such values"
+        )
     fraction = (codes > 0).double().mean().item()
     assert fraction <= max_diff_fraction, f"{fraction:.2e} of the values differ (allowed {max_diff_fraction:.1e})"
 

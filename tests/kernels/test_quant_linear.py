@@ -28,6 +28,7 @@ from omni_kernels.quant import (
     quantize_per_token,
     quantize_weight,
     quantized_linear,
+    resolve_fast_accum,
     scaled_mm,
     weight_only_mm,
 )
@@ -356,7 +357,14 @@ def test_gpu_gemm_at_flux_shapes(inputs, m, k, n, method, backend):
                                                layer.bias, torch.float32)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         gemm_err = _rel(out, expected)
-        assert gemm_err <= 1e-2, f"GEMM error {gemm_err:.3e} against the reference on the same operands"
+        # Hopper's fast FP8 accumulation (used up to K=8192 under fast_accum="auto") keeps
+        # fewer bits over K: measured 1.6e-2 at K=3072; promoted accumulation stays at
+        # bfloat16 output rounding.
+        fast = method == "fp8" and resolve_fast_accum(layer.fast_accum, k)
+        gemm_limit = 3e-2 if fast else 1e-2
+        assert gemm_err <= gemm_limit, (
+            f"GEMM error {gemm_err:.3e} against the reference on the same operands (limit {gemm_limit:.0e})"
+        )
         exact = x.float() @ linear.weight.float().t() + linear.bias.float()
         err = _rel(out, exact)
     print(f"{method}/{backend} {m}x{k}->{n}: rel err vs fp32 linear {err:.3e}, gemm {gemm_err:.3e}")
