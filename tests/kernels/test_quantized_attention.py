@@ -33,6 +33,7 @@ from omni_kernels.attention.quantized.attention_kernel import (
 from omni_kernels.attention.quantized.quantize import quantize_qkv
 from omni_kernels.attention.quantized.reference import (
     dequantize_qkv,
+    dit_like_qkv,
     quantize_qkv_reference,
     quantized_attention_reference,
     sage_attention_reference,
@@ -43,33 +44,6 @@ from omni_kernels.attention.quantized.reference import (
 
 def _shape(layout, b, h, s, d):
     return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
-
-
-def dit_like_qkv(gen, shape, dtype, device="cpu"):
-    """``(q, k, v)`` ``[B, H, S, D]`` with the structure DiT projections show.
-
-    q: a few channels 3-6x larger than the rest (zero-mean, as after a QK-RMSNorm
-    with uneven weights); k: the same, plus a large per-channel bias on a few
-    channels (10-30, shared by all tokens: the outlier SageAttention smooths
-    away); v: a per-channel mean (std 1) shared by the tokens.
-    """
-    d = shape[-1]
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, device=device)
-
-    def outliers(x):
-        ch = torch.randperm(d, generator=gen, device=device)[:3]
-        x[..., ch] *= 3.0 + 3.0 * torch.rand(3, generator=gen, device=device)
-        return x
-
-    bias = torch.zeros(d, device=device)
-    ch = torch.randperm(d, generator=gen, device=device)[:4]
-    bias[ch] = (10.0 + 20.0 * torch.rand(4, generator=gen, device=device)) * torch.sign(randn(4))
-    q = outliers(randn(*shape))
-    k = outliers(randn(*shape)) + bias
-    v = randn(*shape) + randn(d)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def _exact(q, k, v, scale=None):

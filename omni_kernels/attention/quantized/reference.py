@@ -234,11 +234,39 @@ def sage_attention_reference(
     return out if layout == "bhsd" else out.transpose(1, 2)
 
 
+def dit_like_qkv(gen: torch.Generator, shape, dtype: torch.dtype, device="cpu"):
+    """Test inputs ``(q, k, v)`` of ``shape`` (``[B, H, S, D]``) shaped like DiT projections.
+
+    q: a few channels 3-6x larger than the rest (zero-mean, as after a QK-RMSNorm
+    with uneven weights); k: the same, plus a large per-channel bias on a few
+    channels (10-30, shared by all tokens: the outlier SageAttention smooths
+    away); v: a per-channel mean (std 1) shared by the tokens.
+    """
+    d = shape[-1]
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    def outliers(x):
+        ch = torch.randperm(d, generator=gen, device=device)[:3]
+        x[..., ch] *= 3.0 + 3.0 * torch.rand(3, generator=gen, device=device)
+        return x
+
+    bias = torch.zeros(d, device=device)
+    ch = torch.randperm(d, generator=gen, device=device)[:4]
+    bias[ch] = (10.0 + 20.0 * torch.rand(4, generator=gen, device=device)) * torch.sign(randn(4))
+    q = outliers(randn(*shape))
+    k = outliers(randn(*shape)) + bias
+    v = randn(*shape) + randn(d)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 __all__ = [
     "FP8_MAX",
     "INT8_MAX",
     "QuantizedQKV",
     "dequantize_qkv",
+    "dit_like_qkv",
     "fp8_round",
     "quantize_qkv_reference",
     "quantized_attention_reference",

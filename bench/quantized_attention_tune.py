@@ -1,0 +1,215 @@
+"""Tune omni's quantized attention (``omni_sage``: INT8 QK^T, FP8 PV) against cuDNN and sageattention.
+
+For each shape (bf16, non-causal, bhsd) this times, with
+``triton.testing.do_bench(return_mode="median")``:
+
+* torch SDPA on cuDNN (the baseline) and sageattention (when installed, through
+  ``omni_kernels.attention.attention(backend="sageattention")``);
+* omni's quantized forward (:func:`sage_attention_forward`: quantization
+  kernels + attention kernel) under each config of ``CONFIGS``;
+* for the default config, the quantization alone and the attention kernel alone.
+
+TFLOP/s-equivalent is ``4*B*H*Sq*Skv*D / t``. Accuracy is checked on a subset
+(2 heads, the first 1024 queries, all keys) against float32 attention, on two
+input sets: ``randn`` (the bench/attention.py inputs) and ``dit`` (the DiT-like
+inputs of :func:`dit_like_qkv`: Q/K outlier channels, K channel bias, V channel
+means), printing the mean per-row cosine and the relative L2 error for omni and
+sageattention. Everything goes to ``<out-dir>/quantized_attention_tune.json``,
+rewritten after every row.
+
+Usage (on the H200; a few minutes, mostly Triton compiles and the video shapes)::
+
+    PYTHONPATH=. python3 bench/quantized_attention_tune.py --out-dir $OUT
+
+Options: ``--shapes flux,wan720,hunyuan`` (also wan480), ``--configs 0,2``
+(indices into CONFIGS), ``--no-check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
+
+from omni_kernels.attention import attention, get_backend, select_backend  # noqa: E402
+from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
+    SageConfig,
+    default_config,
+    sage_attention_forward,
+    sage_attention_quantized,
+)
+from omni_kernels.attention.quantized.quantize import quantize_qkv  # noqa: E402
+from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
+
+# name: (B, H, S, D)
+SHAPES = {
+    "flux": (1, 24, 4608, 128),
+    "wan720": (1, 40, 75600, 128),
+    "hunyuan": (1, 24, 119040, 128),
+    "wan480": (1, 40, 32760, 128),
+}
+DEFAULT_SHAPES = ("flux", "wan720", "hunyuan")
+
+C = SageConfig
+# BLOCK_M=128 / 8 warps (two consumer warpgroups) as the dense kernel's winner;
+# BLOCK_N 64/128, 2-4 stages, TMA or pointer loads; one 64-row variant.
+CONFIGS = [
+    C(128, 128, 8, 3),
+    C(128, 128, 8, 3, use_tma=True),
+    C(128, 128, 8, 2),
+    C(128, 128, 8, 4, use_tma=True),
+    C(128, 64, 8, 3),
+    C(128, 64, 8, 4, use_tma=True),
+    C(64, 128, 4, 3),
+]
+CHECK_HEADS = 2
+CHECK_QUERIES = 1024
+
+
+def flops(b, h, s, d):
+    return 4.0 * b * h * s * s * d
+
+
+def errors(out, q, k, v):
+    """(mean row cosine, rel L2) of out[:, :2, :1024] against float32 attention."""
+    qs = q[:, :CHECK_HEADS, :CHECK_QUERIES].float()
+    ks, vs = k[:, :CHECK_HEADS].float(), v[:, :CHECK_HEADS].float()
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        ref = sdpa(qs, ks, vs)
+    o = out[:, :CHECK_HEADS, :CHECK_QUERIES].float()
+    cos = torch.nn.functional.cosine_similarity(o.double(), ref.double(), dim=-1).mean().item()
+    return cos, ((o - ref).norm() / ref.norm()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    parser.add_argument("--configs", default="all", help="'all' or comma-separated indices into CONFIGS")
+    parser.add_argument("--out-dir", "--out", dest="out",
+                        default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--no-check", action="store_true")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit("quantized_attention_tune.py needs a CUDA GPU")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: the tuning must run compiled Triton kernels")
+    device = torch.device("cuda")
+    configs = CONFIGS if args.configs == "all" else [CONFIGS[int(i)] for i in args.configs.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / "quantized_attention_tune.json"
+    props = torch.cuda.get_device_properties(device)
+    sage_reason = get_backend("sageattention").unavailable_reason(device)
+    report = {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "sageattention": sage_reason or "available", "results": []}
+    print(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"sageattention: {sage_reason or 'available'}")
+
+    def save():
+        out_file.write_text(json.dumps(report, indent=1))
+
+    start = time.time()
+    summary = []
+    for shape_name in args.shapes.split(","):
+        b, h, s, d = SHAPES[shape_name]
+        fl = flops(b, h, s, d)
+        gen = torch.Generator(device=device).manual_seed(1234)
+        q, k, v = (torch.randn(b, h, s, d, generator=gen, device=device, dtype=torch.bfloat16)
+                   for _ in range(3))
+        probe = triton.testing.do_bench(lambda: sdpa(q, k, v), warmup=5, rep=20, return_mode="median")
+        warm, rep = max(25.0, 2 * probe), max(100.0, 6 * probe)
+        rows = []
+
+        def record(name, ms, extra=None):
+            row = {"shape": shape_name, "dims": [b, h, s, d], "impl": name, "ms": ms,
+                   "tflops": fl / (ms * 1e-3) / 1e12 if ms else None}
+            row.update(extra or {})
+            rows.append(row)
+            report["results"].append(row)
+            save()
+
+        def timed(name, fn, extra=None):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                record(name, triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"), extra)
+            except Exception as exc:  # a config that does not compile / fit, a missing package
+                record(name, None, {"error": f"{type(exc).__name__}: {exc}"[:300]})
+                traceback.print_exc(limit=2)
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            timed("cudnn", lambda: sdpa(q, k, v))
+        if sage_reason is None and select_backend(q, k, v, backend="sageattention")[0]:
+            timed("sageattention", lambda: attention(q, k, v, backend="sageattention"))
+        dflt = default_config(d, device)
+        cands = [dflt] + [c for c in configs if c != dflt]
+        for cfg in cands:
+            out = torch.empty_like(q)
+            timed(cfg.describe() + (" (default)" if cfg == dflt else ""),
+                  lambda cfg=cfg, out=out: sage_attention_forward(q, k, v, out=out, config=cfg),
+                  {"config": cfg.__dict__})
+        # where the default's time goes
+        qkv = quantize_qkv(q, k, v, block_n=dflt.block_n)
+        out = torch.empty_like(q)
+        timed("  quantization only", lambda: quantize_qkv(q, k, v, block_n=dflt.block_n))
+        timed("  attention kernel only", lambda: sage_attention_quantized(
+            qkv, out, layout="bhsd", scale=d ** -0.5, config=dflt))
+        qkv = out = None  # free before the accuracy inputs
+
+        if not args.no_check:
+            for kind in ("randn", "dit"):
+                if kind == "dit":
+                    q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, device)
+                for name, fn in (("omni_sage", lambda: sage_attention_forward(q, k, v)),
+                                 ("sageattention", lambda: attention(q, k, v, backend="sageattention"))):
+                    if name == "sageattention" and (sage_reason or not select_backend(q, k, v, backend=name)[0]):
+                        continue
+                    cos, rel = errors(fn(), q, k, v)
+                    row = {"shape": shape_name, "impl": f"accuracy {name} {kind}", "cosine": cos, "rel_l2": rel}
+                    report["results"].append(row)
+                    rows.append(row)
+                    save()
+
+        cudnn_ms = next((r["ms"] for r in rows if r["impl"] == "cudnn" and r.get("ms")), None)
+        print(f"\n== {shape_name}: B={b} H={h} S={s} D={d} bf16 bhsd")
+        print(f"{'impl':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs cuDNN':>8s}")
+        for r in rows:
+            if "cosine" in r:
+                print(f"{r['impl']:34s} cosine {r['cosine']:.5f}  rel L2 {r['rel_l2']:.3e}")
+            elif r["ms"] is None:
+                print(f"{r['impl']:34s} {'-':>9s}  {r.get('error', '')[:70]}")
+            else:
+                r["vs_cudnn"] = cudnn_ms / r["ms"] if cudnn_ms else None
+                print(f"{r['impl']:34s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_cudnn'] or 0:8.3f}")
+        ours = [r for r in rows if r.get("ms") and "config" in r]
+        if ours:
+            best = min(ours, key=lambda r: r["ms"])
+            summary.append((shape_name, best["impl"], best["tflops"], best.get("vs_cudnn")))
+        save()
+        q = k = v = None
+        torch.cuda.empty_cache()
+
+    print("\n== best omni_sage config per shape (targets: >= 1.5x cuDNN at Wan/Hunyuan 720p, >= 1.3x at Flux)")
+    for name, impl, tf, ratio in summary:
+        print(f"{name:10s} {impl:34s} {tf:8.1f} TFLOP/s  {ratio or 0:.3f}x cuDNN")
+    report["elapsed_s"] = time.time() - start
+    save()
+    print(f"\nwrote {out_file} ({report['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
