@@ -75,6 +75,8 @@ class _Accelerated:
     adapter: ModelAdapter
     progress: ProgressFn | None
     wraps_call: bool = False
+    #: the LLM prompt stage (omni_diffusion.ar.stage.PromptStage), when configured
+    prompt_stage: Any = None
     undos: list[tuple[str, Callable[[], None]]] = dataclasses.field(default_factory=list)
     transformers: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
 
@@ -245,7 +247,15 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
     if config.compile:
         for name, transformer in state.transformers.items():
             state.undos.append((f"{name} compile", _apply_compile(transformer, adapter, config)))
-    if (config.cache is not None or state.progress is not None) and not isinstance(pipe, nn.Module):
+    if config.prompt_encoder is not None or config.prompt_enhancer is not None:
+        if isinstance(pipe, nn.Module):
+            raise ValueError("prompt_encoder/prompt_enhancer need a pipeline, not a bare transformer")
+        from omni_diffusion.ar.stage import PromptStage
+
+        state.prompt_stage = PromptStage(pipe, adapter, config.prompt_encoder, config.prompt_enhancer)
+        state.undos.append(("prompt stage", state.prompt_stage.close))
+    if (config.cache is not None or state.progress is not None or state.prompt_stage is not None) \
+            and not isinstance(pipe, nn.Module):
         state.undos.append(("pipeline __call__", _wrap_call(pipe, state)))
 
 
@@ -389,6 +399,19 @@ def _call(pipe: Any, original_call: Callable, args: tuple, kwargs: dict):
         return original_call(pipe, *args, **kwargs)
     if state.progress is not None:
         kwargs = _with_progress(pipe, original_call, kwargs, state.progress)
+    if state.prompt_stage is not None:
+        # prompts may come positionally: bind them to their names first
+        signature = inspect.signature(original_call)
+        bound = signature.bind_partial(pipe, *args, **kwargs)
+        args, kwargs = (), {}
+        for index, (name, value) in enumerate(bound.arguments.items()):
+            if index == 0:
+                continue  # the pipeline itself
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(value)
+            else:
+                kwargs[name] = value
+        kwargs = state.prompt_stage.prepare(pipe, kwargs)
     kind = state.cache_kind
     opened = None
     try:

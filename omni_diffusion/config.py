@@ -186,6 +186,13 @@ class AccelConfig:
         compile_dynamic: passed to ``torch.compile`` (None: torch decides).
         cuda_graphs: capture the compiled blocks as CUDA graphs (compile mode
             ``"reduce-overhead"``); needs ``compile`` and a CUDA pipeline.
+        prompt_encoder: None, or an
+            :class:`omni_diffusion.ar.config.PromptEncoderConfig` (or a dict of its
+            fields, or an exported model folder): run the pipeline's LLM text
+            encoder in vLLM, batching prompts across concurrent calls.
+        prompt_enhancer: None, or an
+            :class:`omni_diffusion.ar.config.PromptEnhancerConfig` (or a dict, or a
+            chat model name): rewrite each prompt with an LLM first.
     """
 
     attention: str | None = ATTENTION_AUTO
@@ -200,9 +207,21 @@ class AccelConfig:
     compile_fullgraph: bool | None = None
     compile_dynamic: bool | None = None
     cuda_graphs: bool = False
+    prompt_encoder: Any = None
+    prompt_enhancer: Any = None
 
     def __post_init__(self) -> None:
         name = "AccelConfig"
+        from omni_diffusion.ar.config import PromptEncoderConfig, PromptEnhancerConfig
+
+        for field, cls in (("prompt_encoder", PromptEncoderConfig),
+                           ("prompt_enhancer", PromptEnhancerConfig)):
+            value = getattr(self, field)
+            if isinstance(value, (str, Mapping)):
+                value = cls.from_dict(value)
+            if value is not None and not isinstance(value, cls):
+                raise _bad(name, field, value, f"None, a {cls.__name__}, a dict of its fields or a model")
+            object.__setattr__(self, field, value)
         if self.attention is not None:
             if not isinstance(self.attention, str):
                 raise _bad(name, "attention", self.attention, "'auto', an omni backend name or None")
@@ -299,6 +318,9 @@ class AccelConfig:
         out["quant_skip"] = list(self.quant_skip)
         out["quant_options"] = dict(self.quant_options)
         out["cache"] = None if self.cache is None else self.cache.to_dict()
+        for field in ("prompt_encoder", "prompt_enhancer"):
+            value = getattr(self, field)
+            out[field] = None if value is None else value.to_dict()
         return out
 
     def __hash__(self) -> int:  # quant_options is a dict: hash the canonical JSON form
@@ -362,6 +384,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--compile-fullgraph", type=_on_off_auto, default=None, metavar="auto|on|off")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA graphs for the compiled blocks (implies mode reduce-overhead)")
+    g.add_argument("--prompt-encoder", default=None, type=_none_or, metavar="auto|FOLDER",
+                   help="run the pipeline's LLM text encoder in vLLM: 'auto' exports the "
+                        "pipeline's own, or a folder written by omni_diffusion.ar.export")
+    g.add_argument("--prompt-encoder-url", default=None, metavar="URL",
+                   help="an OpenAI-compatible vLLM server serving the prompt encoder")
+    g.add_argument("--prompt-enhancer", default=None, type=_none_or, metavar="MODEL",
+                   help="rewrite prompts with this chat model in vLLM before encoding")
+    g.add_argument("--prompt-enhancer-url", default=None, metavar="URL",
+                   help="an OpenAI-compatible vLLM server serving the prompt enhancer")
+    g.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3, metavar="X",
+                   help="each vLLM stage's share of the GPU memory (default 0.3)")
     return parser
 
 
@@ -385,7 +418,21 @@ def from_cli_args(args: argparse.Namespace) -> AccelConfig:
         ) if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} need --cache")
+    prompt_stages = {}
+    for stage, flag in (("prompt_encoder", "--prompt-encoder"), ("prompt_enhancer", "--prompt-enhancer")):
+        model, url = getattr(args, stage, None), getattr(args, f"{stage}_url", None)
+        if model is None and url is None:
+            continue
+        fields: dict[str, Any] = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        if model is not None and model != "auto":
+            fields["model"] = model
+        if url is not None:
+            fields.update(placement="server", url=url)
+        if stage == "prompt_enhancer" and model is None:
+            raise ValueError(f"{flag}-url needs {flag} MODEL (the served model)")
+        prompt_stages[stage] = fields
     return AccelConfig(
+        **prompt_stages,
         attention=args.attention,
         quant=args.quant,
         quant_skip=tuple(args.quant_skip),
