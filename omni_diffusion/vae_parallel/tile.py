@@ -1,0 +1,113 @@
+"""Tile-parallel encode and decode: diffusers' own tiles, spread over the ranks of the VAE group.
+
+diffusers' ``tiled_decode`` / ``tiled_encode`` split the input into overlapping tiles, run the
+decoder (encoder) on each, then blend the seams. Here they run twice, unchanged:
+
+1. **plan and compute**: each call of the heavy module (``decoder`` / ``encoder``) belongs to a
+   *unit* (one tile: for VAEs with a feature cache, the calls between two ``clear_cache()``
+   calls, i.e. one tile's frames; otherwise one call). Unit ``u`` belongs to group rank
+   ``u % world``. A rank runs its own units for real and the others under ``FakeTensorMode``,
+   which yields only their output shapes; every call's output is then broadcast from its owner.
+2. **blend**: diffusers' method runs again with the heavy module replaced by a lookup of those
+   outputs, so the tiles, the blending and the crop are exactly diffusers' own.
+
+Every rank ends with the whole result. Only the heavy module's work is split; the cheap parts
+(``post_quant_conv``, blending) run on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from omni_diffusion.vae_parallel.patching import Patches
+from omni_diffusion.vae_parallel.sharding import ShardContext
+
+
+class _TileRun:
+    """One distributed run of a diffusers tiled method (see the module docstring)."""
+
+    def __init__(self, ctx: ShardContext, vae: nn.Module, heavy: nn.Module) -> None:
+        self.ctx = ctx
+        self.vae = vae
+        self.heavy = heavy
+        self.unit = -1
+        self.outputs: list[torch.Tensor] = []
+        self.owners: list[int] = []
+        self.counts_units_by_cache = hasattr(vae, "clear_cache")
+
+    def _owner(self) -> int:
+        return self.unit % self.ctx.world
+
+    def run(self, method, *args, **kwargs):
+        patches = Patches()
+        original_forward = self.heavy.forward
+        try:
+            if self.counts_units_by_cache:
+                original_clear = self.vae.clear_cache
+
+                def clear_cache(vae_self):
+                    self.unit += 1
+                    return original_clear()
+
+                patches.bind(self.vae, "clear_cache", clear_cache)
+            patches.bind(self.heavy, "forward",
+                         lambda _, *a, **k: self._compute(original_forward, a, k))
+            method(*args, **kwargs)
+            patches.undo()
+            self._broadcast()
+            lookup = iter(self.outputs)
+            patches.bind(self.heavy, "forward", lambda _, *a, **k: next(lookup))
+            result = method(*args, **kwargs)
+            if next(lookup, None) is not None:
+                raise RuntimeError("the tiled method called its heavy module fewer times on the "
+                                   "second run than on the first; it is not deterministic")
+            return result
+        finally:
+            patches.undo()
+
+    def _compute(self, forward, args, kwargs) -> torch.Tensor:
+        if not self.counts_units_by_cache:
+            self.unit += 1
+        owner = self._owner()
+        if owner == self.ctx.rank:
+            out = forward(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"tile-parallel VAE expects the {type(self.heavy).__name__} to "
+                                f"return a tensor; got {type(out).__name__}")
+            out = out.contiguous()
+        else:
+            # Another rank decodes this tile; only its shape is needed (to keep diffusers'
+            # loop going and to receive it), so it is traced on fake tensors.
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = forward(*args, **kwargs)
+            out = torch.empty(fake.shape, dtype=fake.dtype, device=args[0].device)
+        self.outputs.append(out)
+        self.owners.append(owner)
+        return out
+
+    def _broadcast(self) -> None:
+        for out, owner in zip(self.outputs, self.owners):
+            dist.broadcast(out, group=self.ctx.group, group_src=owner)
+
+
+def install_tile(vae: nn.Module, ctx: ShardContext, patches: Patches) -> None:
+    """Make ``vae``'s tiled decode and encode run tile-parallel over ``ctx``'s group.
+
+    diffusers decides when to tile (``vae.use_tiling`` and an input larger than one tile); this
+    only changes how the tiles are computed. The encode entry is ``_tiled_encode`` where the class
+    has it (AutoencoderKL), else ``tiled_encode``.
+    """
+    for method_name, heavy in (("tiled_decode", vae.decoder),
+                               ("_tiled_encode" if hasattr(type(vae), "_tiled_encode")
+                                else "tiled_encode", vae.encoder)):
+        original = getattr(vae, method_name)
+
+        def parallel(vae_self, *args, _original=original, _heavy=heavy, **kwargs):
+            if ctx.world == 1:
+                return _original(*args, **kwargs)
+            return _TileRun(ctx, vae_self, _heavy).run(_original, *args, **kwargs)
+
+        patches.bind(vae, method_name, parallel)
