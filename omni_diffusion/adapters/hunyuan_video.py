@@ -136,3 +136,72 @@ class HunyuanVideoAdapter(ModelAdapter):
             texts = [negative_prompt] if isinstance(negative_prompt, str) else list(negative_prompt)
             fill("negative_", texts, negative)
         return kwargs
+
+    # ------------------------------------------------------------------ LLM prompt stage
+    # (omni_diffusion.ar: the Llama text encoder run in vLLM, and the prompt enhancer)
+
+    prompt_enhancer_system_prompt = (
+        "You expand prompts for HunyuanVideo, a text-to-video generator. Rewrite the user's "
+        "prompt as one detailed paragraph: the main subject and what it does over time, the "
+        "objects with their colour, shape, size and texture, the setting, lighting and mood, "
+        "and the camera's angle and movement. Keep everything the user asked for and "
+        "contradict nothing. Reply with the rewritten prompt only."
+    )
+
+    def prompt_format(self, pipe, call_kwargs):
+        """What ``HunyuanVideoPipeline._get_llama_prompt_embeds`` does: the call's
+        ``prompt_template`` (default: the pipeline's), ``crop_start`` tokens dropped
+        (computed as the pipeline does when the template leaves it out),
+        ``hidden_states[-(num_hidden_layers_to_skip + 1)]`` (unnormed), truncation and
+        padding at ``max_sequence_length`` after the crop."""
+        import inspect
+
+        from omni_diffusion.ar.prompt_format import PromptFormat
+
+        defaults = inspect.signature(type(pipe).__call__).parameters
+        template = call_kwargs.get("prompt_template") or defaults["prompt_template"].default
+        length = call_kwargs.get("max_sequence_length") or defaults["max_sequence_length"].default
+        skip = inspect.signature(pipe._get_llama_prompt_embeds).parameters[
+            "num_hidden_layers_to_skip"].default
+        crop = template.get("crop_start")
+        if crop is None:  # the pipeline's own rule, kept as it is
+            ids = pipe.tokenizer(template["template"], padding="max_length", return_tensors="pt")
+            crop = ids["input_ids"].shape[-1] - 2
+        return PromptFormat(template["template"], drop_tokens=crop, hidden_layer=-(skip + 1),
+                            max_tokens=length + crop, pad_to=length)
+
+    def llm_text_decoder(self, pipe):
+        """The text encoder is a ``LlamaModel``: its weights under a ``LlamaForCausalLM``."""
+        return pipe.text_encoder, pipe.text_encoder.config, "LlamaForCausalLM"
+
+    def prompt_embeds_kwargs(self, pipe, kwargs, positive, negative):
+        """The call's arguments with the Llama embeddings and masks in place of the prompts.
+
+        The pooled CLIP embeddings (``text_encoder_2``, small) are still computed
+        here from ``prompt`` as ``encode_prompt`` does (it reads ``prompt``, not
+        ``prompt_2``), since the pipeline refuses prompts next to embeddings.
+        Given embeddings are not repeated per video by the pipeline, so that is
+        done here and ``num_videos_per_prompt`` becomes 1 (same latents).
+        """
+        kwargs = dict(kwargs)
+        per_prompt = kwargs.pop("num_videos_per_prompt", None) or 1
+        kwargs["num_videos_per_prompt"] = 1
+        device = pipe._execution_device
+
+        def fill(prefix: str, texts, encoded) -> None:
+            embeds, mask = encoded
+            with torch.no_grad():
+                pooled = pipe._get_clip_prompt_embeds(texts, 1, device=device, max_sequence_length=77)
+            kwargs[f"{prefix}prompt_embeds"] = embeds.repeat_interleave(per_prompt, dim=0)
+            kwargs[f"{prefix}prompt_attention_mask"] = mask.repeat_interleave(per_prompt, dim=0)
+            kwargs[f"{prefix}pooled_prompt_embeds"] = pooled.repeat_interleave(per_prompt, dim=0)
+
+        prompt = kwargs.pop("prompt")
+        kwargs.pop("prompt_2", None)
+        fill("", [prompt] if isinstance(prompt, str) else list(prompt), positive)
+        negative_prompt = kwargs.pop("negative_prompt", None)
+        kwargs.pop("negative_prompt_2", None)
+        if negative is not None:
+            texts = [negative_prompt] if isinstance(negative_prompt, str) else list(negative_prompt)
+            fill("negative_", texts, negative)
+        return kwargs

@@ -101,3 +101,57 @@ class QwenImageAdapter(ModelAdapter):
         if negative is not None:
             kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = negative
         return kwargs
+
+    # ------------------------------------------------------------------ LLM prompt stage
+    # (omni_diffusion.ar: the text encoder run in vLLM, and the prompt enhancer)
+
+    prompt_enhancer_system_prompt = (
+        "You expand prompts for Qwen-Image, an image generator that renders text well. Rewrite "
+        "the user's prompt as one detailed paragraph: the subjects and their appearance, "
+        "positions and relations, the background, lighting, colours, style and camera view. "
+        "Quote any text that must appear in the image exactly as given. Keep everything the "
+        "user asked for and contradict nothing. Reply with the rewritten prompt only."
+    )
+
+    def prompt_format(self, pipe, call_kwargs):
+        """What ``QwenImagePipeline._get_qwen_prompt_embeds`` does: the pipeline's
+        ``prompt_template_encode``, its first ``prompt_template_encode_start_idx``
+        tokens dropped, the last (normed) hidden layer, truncation at
+        ``tokenizer_max_length`` plus the dropped tokens, padding to the longest prompt."""
+        from omni_diffusion.ar.prompt_format import PromptFormat
+
+        drop = pipe.prompt_template_encode_start_idx
+        return PromptFormat(pipe.prompt_template_encode, drop_tokens=drop, hidden_layer=-1,
+                            max_tokens=pipe.tokenizer_max_length + drop)
+
+    def llm_text_decoder(self, pipe):
+        """Qwen2.5-VL's text decoder as a ``Qwen2ForCausalLM`` (same weights; for text-only
+        input its 3-axis rotary positions are equal, which makes them plain rotary ones)."""
+        from transformers import Qwen2Config
+
+        encoder = pipe.text_encoder
+        decoder = getattr(encoder.model, "language_model", encoder.model)
+        text = encoder.config.get_text_config()
+        rope = getattr(text, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(text, "rope_theta", None))
+        config = Qwen2Config(
+            vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size, num_hidden_layers=text.num_hidden_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads, hidden_act=text.hidden_act,
+            max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+            use_sliding_window=False, tie_word_embeddings=True,
+        )
+        return decoder, config, "Qwen2ForCausalLM"
+
+    def prompt_embeds_kwargs(self, pipe, kwargs, positive, negative):
+        """The call's arguments with ``(embeds, mask)`` in place of the prompts
+        (``encode_prompt`` still repeats them per image and drops an all-ones mask)."""
+        kwargs = dict(kwargs)
+        kwargs.pop("prompt", None)
+        kwargs.pop("negative_prompt", None)
+        kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = positive
+        if negative is not None:
+            kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = negative
+        return kwargs
