@@ -122,6 +122,8 @@ class SequenceParallelAttention:
         from omni_kernels.attention import attention
 
         def attend(q, k, v, mask):
+            if q.shape[2] == 0:  # more Ulysses ranks than heads: this rank has none
+                return q.clone(), q.new_zeros(q.shape[0], 0, q.shape[1], dtype=torch.float32)
             return attention(q, k, v, backend=self.backend, layout="bshd", scale=scale,
                              attn_mask=mask, return_lse=True)
 
@@ -157,7 +159,9 @@ class SequenceParallelAttention:
         txt = txt[:, :, :, heads_here]
         joint = torch.cat([txt, img] if self.text_first else [img, txt], dim=2)
         q, k, v = joint.unbind(0)
-        if groups.ring_size == 1:  # no partials to merge: no LSE needed
+        if groups.ring_size == 1 and q.shape[2] == 0:
+            out = q.clone()  # more Ulysses ranks than heads: this rank has none
+        elif groups.ring_size == 1:  # no partials to merge: no LSE needed
             from omni_kernels.attention import attention
 
             out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale)

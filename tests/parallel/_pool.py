@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: a test that hangs in a collective fails after this long instead of blocking CI
-TASK_TIMEOUT_S = 120
+TASK_TIMEOUT_S = 60
 
 
 def _free_port() -> int:
@@ -72,12 +72,16 @@ class DistPool:
         errors = []
         try:
             for _ in range(self.world):
-                rank, ok, value = self.results.get(timeout=TASK_TIMEOUT_S + 30)
+                # once a rank failed, the others may wait in a collective forever: give them
+                # a few seconds, then shut the pool down and report the failure
+                timeout = 10 if errors else TASK_TIMEOUT_S + 30
+                rank, ok, value = self.results.get(timeout=timeout)
                 (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
         except queue.Empty:
             self.close()
-            raise TimeoutError(f"{name}: ranks {sorted(set(range(self.world)) - set(out))} did not "
-                               "answer (a hung collective?); the pool was shut down") from None
+            if not errors:
+                raise TimeoutError(f"{name}: ranks {sorted(set(range(self.world)) - set(out))} did "
+                                   "not answer (a hung collective?); the pool was shut down") from None
         if errors:
             rank, message = sorted(errors)[0]
             raise AssertionError(f"{name} failed on rank {rank}:\n{message}")
@@ -94,6 +98,6 @@ class DistPool:
             except (OSError, ValueError):
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=2)
             if p.is_alive():
                 p.terminate()

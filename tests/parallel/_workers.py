@@ -57,14 +57,28 @@ def pipeline_case(rank, world, family, config, steps=2, cfg=True, overrides=None
         with torch.no_grad():
             return output_tensor(pipe(**kwargs)).float()
 
+    # What the last block of the transformer receives on this rank: (batch, tokens) per call.
+    from omni_diffusion.adapters import adapter_for
+
+    spec, blocks = adapter_for(pipe).blocks(pipe.transformer)[-1]
+    seen = []
+    handle = blocks[-1].register_forward_pre_hook(
+        lambda m, a, kw: seen.append(tuple(kw.get(spec.hidden_arg, a[0] if a else None).shape[:2])),
+        with_kwargs=True)
     ref = generate()
+    ref_seen, seen[:] = list(seen), []
+    full_params = sum(p.numel() for p in pipe.transformer.parameters())
     undo = parallelize(pipe, ParallelConfig(**config), device_type="cpu")
     try:
+        params = sum(p.numel() for p in pipe.transformer.parameters())
         out = generate()
     finally:
+        handle.remove()
         undo()
     again = generate()  # undo restored the single-process model
-    return (out - ref).abs().max().item(), ref.abs().max().item(), (again - ref).abs().max().item()
+    return dict(diff=(out - ref).abs().max().item(), scale=ref.abs().max().item(),
+                after_undo=(again - ref).abs().max().item(), seen=seen, ref_seen=ref_seen,
+                param_fraction=params / full_params)
 
 
 def bad_config_case(rank, world, family, config):
