@@ -27,11 +27,13 @@ from omni_diffusion.accelerate import (  # noqa: E402
 )
 from omni_diffusion.cache.state import CacheStats, collect_stats  # noqa: E402
 from omni_diffusion.config import AccelConfig, CacheConfig  # noqa: E402
+from omni_diffusion.parallel.config import ParallelConfig  # noqa: E402
 
 __all__ = [
     "AccelConfig",
     "CacheConfig",
     "CacheStats",
+    "ParallelConfig",
     "__version__",
     "accel_config",
     "accelerate",

@@ -215,6 +215,13 @@ def step_callback(progress: ProgressFn, callback: Callable | None = None) -> Cal
 
 def _apply(pipe: Any, state: _Accelerated) -> None:
     config, adapter = state.config, state.adapter
+    runtime = None
+    if config.parallel is not None:  # validated before any collective, then the mesh is built
+        from omni_diffusion.parallel import prepare
+
+        runtime = prepare(pipe, config.parallel, adapter, state.transformers)
+        # tensor parallelism shards the float weights, before quantization
+        state.undos.append(("parallel weights", runtime.shard_weights()))
     if config.cuda_graphs:  # checked before anything is changed
         for name, transformer in state.transformers.items():
             device = _module_device(transformer)
@@ -244,6 +251,9 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
 
         warmup = 1 if config.cache.warmup_steps is None else config.cache.warmup_steps
         state.undos.append(("cache-dit", cache_dit.enable(pipe, config.cache, adapter.cfg.mode, warmup)))
+    if runtime is not None:  # sequence-parallel attention wraps the backend installed above
+        backend = None if config.attention in (None, ATTENTION_AUTO) else config.attention
+        state.undos.append(("parallel", runtime.install(backend)))
     if config.compile:
         for name, transformer in state.transformers.items():
             state.undos.append((f"{name} compile", _apply_compile(transformer, adapter, config)))
@@ -337,7 +347,9 @@ def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelC
         )
     kwargs: dict[str, Any] = dict(
         backend=config.compile_backend,
-        fullgraph=adapter.compile_fullgraph if config.compile_fullgraph is None else config.compile_fullgraph,
+        # ring attention's point-to-point exchange is a graph break
+        fullgraph=(adapter.compile_fullgraph and (config.parallel is None or config.parallel.ring == 1))
+        if config.compile_fullgraph is None else config.compile_fullgraph,
         dynamic=config.compile_dynamic,
     )
     if config.torch_compile_mode is not None:

@@ -193,6 +193,10 @@ class AccelConfig:
         prompt_enhancer: None, or an
             :class:`omni_diffusion.ar.config.PromptEnhancerConfig` (or a dict, or a
             chat model name): rewrite each prompt with an LLM first.
+        parallel: None, or an ``omni_diffusion.ParallelConfig`` (or a dict of
+            its fields): split each generation over the ranks of a
+            ``torch.distributed`` job (torchrun); see :mod:`omni_diffusion.parallel`.
+            Sequence parallelism does not combine with ``cache``.
     """
 
     attention: str | None = ATTENTION_AUTO
@@ -209,6 +213,7 @@ class AccelConfig:
     cuda_graphs: bool = False
     prompt_encoder: Any = None
     prompt_enhancer: Any = None
+    parallel: Any = None
 
     def __post_init__(self) -> None:
         name = "AccelConfig"
@@ -274,6 +279,19 @@ class AccelConfig:
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise _bad(name, field, value, "None, True or False")
+        if self.parallel is not None:
+            from omni_diffusion.parallel.config import ParallelConfig
+
+            parallel = self.parallel
+            if isinstance(parallel, Mapping):
+                parallel = ParallelConfig.from_dict(dict(parallel))
+            if not isinstance(parallel, ParallelConfig):
+                raise _bad(name, "parallel", self.parallel, "None, a ParallelConfig or a dict of its fields")
+            if parallel.sequence_degree > 1 and self.cache is not None:
+                raise _bad(name, "cache", self.cache.kind,
+                           "None with sequence parallelism (ulysses/ring > 1): each rank sees "
+                           "part of the tokens, so cache decisions would differ between ranks")
+            object.__setattr__(self, "parallel", parallel if parallel.enabled else None)
         if not isinstance(self.cuda_graphs, bool):
             raise _bad(name, "cuda_graphs", self.cuda_graphs, "True or False")
         if self.cuda_graphs and not self.compile:
@@ -318,7 +336,7 @@ class AccelConfig:
         out["quant_skip"] = list(self.quant_skip)
         out["quant_options"] = dict(self.quant_options)
         out["cache"] = None if self.cache is None else self.cache.to_dict()
-        for field in ("prompt_encoder", "prompt_enhancer"):
+        for field in ("prompt_encoder", "prompt_enhancer", "parallel"):
             value = getattr(self, field)
             out[field] = None if value is None else value.to_dict()
         return out
