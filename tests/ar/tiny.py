@@ -88,3 +88,43 @@ def call_kwargs(family: str, **overrides) -> dict:
 
 
 BUILDERS = {"qwen_image": qwen_image_pipeline, "hunyuan_video": hunyuan_video_pipeline}
+
+
+def ascii_tokenizer(model_max_length: int = 256):
+    """A character-level tokenizer over printable ASCII (plus 4 specials and a chat
+    template), so that any generated token decodes to the same text everywhere."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>", model_max_length=model_max_length,
+    )
+    wrapped.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return wrapped
+
+
+def chat_model(out_dir, seed: int = 0):
+    """Save a tiny random Llama chat model (ASCII tokenizer, 2 heads of 32) to ``out_dir``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = ascii_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=False,
+    )).eval()
+    with torch.no_grad():  # larger logits than the default init: no near-ties in greedy decoding
+        model.lm_head.weight.mul_(50)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return model, tokenizer
