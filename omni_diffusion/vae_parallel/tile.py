@@ -37,6 +37,9 @@ class _TileRun:
         self.outputs: list[torch.Tensor] = []
         self.owners: list[int] = []
         self.counts_units_by_cache = hasattr(vae, "clear_cache")
+        # Output shape and dtype per call signature (see _signature).
+        self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def _owner(self) -> int:
         return self.unit % self.ctx.world
@@ -78,19 +81,43 @@ class _TileRun:
                 raise TypeError(f"tile-parallel VAE expects the {type(self.heavy).__name__} to "
                                 f"return a tensor; got {type(out).__name__}")
             out = out.contiguous()
+            self.shapes.setdefault(_signature(args, kwargs), (out.shape, out.dtype))
         else:
             # Another rank decodes this tile; only its shape is needed (to keep diffusers'
-            # loop going and to receive it), so it is traced on fake tensors.
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                fake = forward(*args, **kwargs)
-            out = torch.empty(fake.shape, dtype=fake.dtype, device=args[0].device)
+            # loop going and to receive it): known from an earlier call with the same input
+            # shapes and flags, else traced on fake tensors.
+            key = _signature(args, kwargs)
+            if key not in self.shapes:
+                with self.fake_mode:
+                    fake = forward(*args, **kwargs)
+                self.shapes[key] = (fake.shape, fake.dtype)
+            shape, dtype = self.shapes[key]
+            out = torch.empty(shape, dtype=dtype, device=args[0].device)
         self.outputs.append(out)
         self.owners.append(owner)
-        return out
+        # The first run's result is thrown away, and diffusers blends tiles in place: it gets a
+        # scratch tensor of the right shape, so the recorded outputs stay untouched.
+        return torch.empty_like(out)
 
     def _broadcast(self) -> None:
         for out, owner in zip(self.outputs, self.owners):
             dist.broadcast(out, group=self.ctx.group, group_src=owner)
+
+
+def _signature(args, kwargs) -> tuple:
+    """What a heavy module's output shape depends on: its tensor arguments' shapes and dtypes and
+    its scalar flags (Wan's ``first_chunk``). Lists (the feature cache and its index) are left
+    out: they hold state whose shapes follow from the earlier calls of the same tile."""
+
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return type(value).__name__
+
+    return (tuple(describe(a) for a in args),
+            tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
 def install_tile(vae: nn.Module, ctx: ShardContext, patches: Patches) -> None:

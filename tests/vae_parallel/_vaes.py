@@ -12,6 +12,18 @@ from omni_diffusion.vae_parallel.families import layer_roles
 layer_roles()
 
 
+def _warm_fake_tensor_mode() -> None:
+    # FakeTensorMode's first use initializes a lot (tile mode uses it); do it once, here.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.nn.functional.group_norm(conv(torch.empty(1, 2, 4, 4)), 1)
+
+
+_warm_fake_tensor_mode()
+
+
 def tiny_vae(family: str):
     torch.manual_seed(0)
     if family == "kl":
