@@ -81,9 +81,15 @@ def pipeline_case(rank, world, family, config, steps=2, cfg=True, overrides=None
                 param_fraction=params / full_params)
 
 
-def bad_config_case(rank, world, family, config):
-    """The error a bad config raises (its message), checked to come before any collective."""
+def bad_config_case(rank, world, family, config, hide_vae_module=False):
+    """The error a bad config raises (its message), checked to come before any collective.
+    ``hide_vae_module``: behave as if ``omni_diffusion.vae_parallel`` were not installed."""
+    import sys
+
     import torch.distributed as dist
+
+    if hide_vae_module:
+        sys.modules["omni_diffusion.vae_parallel"] = None  # find_spec answers None
 
     from omni_diffusion.parallel import parallelize
     from omni_diffusion.testing import tiny_pipeline
@@ -97,5 +103,28 @@ def bad_config_case(rank, world, family, config):
         message = f"{type(exc).__name__}: {exc}"
     else:
         message = None
+    finally:
+        if hide_vae_module:
+            del sys.modules["omni_diffusion.vae_parallel"]
     dist.barrier()  # all ranks got here: nobody is stuck in a collective
     return message
+
+
+def accelerate_case(rank, world, family, parallel, accel):
+    """accelerate() with ``parallel`` composed with other features (``accel`` dict)
+    against accelerate() with the same features on one process."""
+    import omni_diffusion as od
+    from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+
+    def generate():
+        with torch.no_grad():
+            return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe))).float()
+
+    od.accelerate(pipe, od.AccelConfig(**accel))
+    ref = generate()
+    od.accelerate(pipe, od.AccelConfig(parallel=parallel, **accel))
+    out = generate()
+    od.undo(pipe)
+    return (out - ref).abs().max().item(), ref.abs().max().item()

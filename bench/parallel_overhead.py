@@ -1,0 +1,128 @@
+"""Overhead of omni's sequence-parallel code path at degree 1 against plain execution.
+
+One process, a world-size-1 process group (NCCL on a GPU, gloo on CPU): the
+transformer runs once plainly and once with ``parallelize(...,
+force_sequence_parallel=True)``, i.e. the whole Ulysses/Ring path (block hooks,
+token split and gather, text/image split, the all-to-alls on a 1-rank group,
+the ``omni_sp`` diffusers backend) with nothing actually split. Target: <= 2%.
+Both runs use the same omni attention backend, so only the parallel path differs.
+
+    python3 bench/parallel_overhead.py --out-dir bench/results   # prints one line per shape
+
+Model: a FluxTransformer2DModel with Flux.1's widths (24 heads x 128, 3072) and
+fewer blocks (``--blocks``/``--single-blocks``, random weights, bf16), at the
+token counts of 1024x1024 (4096 image + 512 text) and 512x512 (1024 + 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._environment import base_environment  # noqa: E402
+
+
+def _time(fn, warmup: int, iters: int, cuda: bool) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--single-blocks", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--attention", default="auto", help="omni attention backend for both runs")
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+    from diffusers import FluxTransformer2DModel
+
+    from omni_diffusion.parallel import ParallelConfig, parallelize
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    heads, head_dim = (24, 128) if cuda else (4, 32)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=args.blocks, num_single_layers=args.single_blocks,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=4096,
+        pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56) if cuda else (8, 12, 12),
+    ).to(device, dtype).eval()
+    import omni_diffusion as od
+
+    od.accelerate(model, od.AccelConfig(attention=args.attention))
+    shapes = [(4096, 512), (1024, 512)] if cuda else [(256, 32)]
+    rows = []
+    for image, text in shapes:
+        gen = torch.Generator(device).manual_seed(1)
+        inputs = dict(
+            hidden_states=torch.randn(1, image, 64, device=device, dtype=dtype, generator=gen),
+            encoder_hidden_states=torch.randn(1, text, 4096, device=device, dtype=dtype, generator=gen),
+            pooled_projections=torch.randn(1, 768, device=device, dtype=dtype, generator=gen),
+            timestep=torch.tensor([0.5], device=device, dtype=dtype),
+            guidance=torch.tensor([3.5], device=device, dtype=dtype),
+            img_ids=torch.randn(image, 3, device=device, generator=gen),
+            txt_ids=torch.zeros(text, 3, device=device),
+            return_dict=False,
+        )
+
+        def run():
+            with torch.no_grad():
+                return model(**inputs)[0]
+
+        plain_out = run()
+        plain = _time(run, args.warmup, args.iters, cuda)
+        undo = parallelize(model, ParallelConfig(), attention_backend=None if args.attention == "auto"
+                           else args.attention, device_type=device, force_sequence_parallel=True)
+        try:
+            sp_out = run()
+            sp = _time(run, args.warmup, args.iters, cuda)
+        finally:
+            undo()
+        # interleave a second plain run so drift does not favour either side
+        plain += _time(run, 1, args.iters, cuda)
+        p, s = statistics.median(plain), statistics.median(sp)
+        diff = (sp_out.float() - plain_out.float()).abs().max().item()
+        row = dict(image_tokens=image, text_tokens=text, plain_ms=round(p, 3), sp_ms=round(s, 3),
+                   overhead_pct=round(100 * (s - p) / p, 2), max_abs_diff=diff)
+        rows.append(row)
+        print(f"image {image} + text {text} tokens: plain {p:.3f} ms, sequence-parallel path "
+              f"{s:.3f} ms, overhead {row['overhead_pct']:+.2f}% (target <= 2%), max |diff| {diff:.2e}",
+              flush=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = dict(benchmark="parallel_overhead", environment=base_environment(), rows=rows,
+                  args=vars(args))
+    (out_dir / "parallel_overhead.json").write_text(json.dumps(record, indent=2))
+    dist.destroy_process_group()
+    worst = max(r["overhead_pct"] for r in rows)
+    return 0 if not cuda or worst <= 2.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
