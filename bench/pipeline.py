@@ -21,8 +21,9 @@ Variants (each applied to the same model and undone before the next):
 (c) ``omni_lossless``: ``omni_diffusion.accelerate(AccelConfig(attention="auto", compile=True))``:
     omni's attention registry (its per-GPU auto choice) + regional compile.
 (d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization).
-(e) ``omni_fp8_sage``: (d) with quantized attention (``attention="sageattention"``,
-    lossy); skipped, with the reason, when SageAttention cannot run here.
+(e) ``omni_fp8_sage``: (d) with omni's quantized attention (``attention="omni_sage"``,
+    lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
+(f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
 
 Per variant: the first call (includes compilation) in seconds, then the median
 (and min) forward time over ``--iters`` calls after ``--warmup`` calls (CUDA
@@ -68,13 +69,16 @@ if str(REPO_ROOT) not in sys.path:
 
 from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
 
-VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8", "omni_fp8_sage")
+VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8", "omni_fp8_sage", "fp8_sageattention")
+# Quantized-attention variants: the attention backend each one names.
+_QUANTIZED_ATTENTION = {"omni_fp8_sage": "omni_sage", "fp8_sageattention": "sageattention"}
 VARIANT_LABELS = {
     "eager": "(a) diffusers eager",
     "diffusers_compile": "(b) diffusers compile_repeated_blocks",
     "omni_lossless": "(c) omni attention + regional compile",
     "omni_fp8": "(d) (c) + FP8 linears",
-    "omni_fp8_sage": "(e) (d) + SageAttention",
+    "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
+    "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
 }
 
 
@@ -247,14 +251,15 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
     elif variant == "omni_fp8":
         _check_fp8(device)
         config = _omni_config(attention="auto", **quant, **common)
-    elif variant == "omni_fp8_sage":
+    elif variant in _QUANTIZED_ATTENTION:
         _check_fp8(device)
         from omni_kernels.attention import get_backend
 
-        reason = get_backend("sageattention").unavailable_reason(device)
+        backend = _QUANTIZED_ATTENTION[variant]
+        reason = get_backend(backend).unavailable_reason(device)
         if reason is not None:
-            raise Skip(f"sageattention: {reason}")
-        config = _omni_config(attention="sageattention", **quant, **common)
+            raise Skip(f"{backend}: {reason}")
+        config = _omni_config(attention=backend, **quant, **common)
     else:
         raise ValueError(variant)
     od.accelerate(model, config)

@@ -400,6 +400,17 @@ def attention_backend(name: str = AUTO, *, allow_lossy: bool | None = None) -> I
         _CONTEXT.reset(token)
 
 
+@torch._dynamo.assume_constant_result
+def _context_choice() -> tuple[str, bool | None] | None:
+    """The innermost :func:`attention_backend` choice, or None.
+
+    Under ``torch.compile`` this is read once, when the graph is traced (Dynamo
+    cannot trace ``ContextVar.get``): a compiled region keeps the backend that
+    was in effect then. Eager calls read it on every call.
+    """
+    return _CONTEXT.get()
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -409,7 +420,7 @@ def resolve_backend_request(
 ) -> tuple[str, bool, str]:
     """``(name, allow_lossy, source)`` after precedence: argument > context > env > auto."""
     _ensure_builtin_backends()
-    ctx = _CONTEXT.get()
+    ctx = _context_choice()
     if backend is not None:
         name, source = _normalize_name(backend), "argument"
     elif ctx is not None:

@@ -70,6 +70,15 @@ def test_attention_sdpa_math_matches(family):
     assert torch.equal(family.run(), family.reference)
 
 
+def test_regional_compile_fullgraph_with_auto_attention(family):
+    """attention="auto" reads the attention_backend() context: that must trace with fullgraph."""
+    torch._dynamo.reset()
+    out = family.accelerated(od.AccelConfig(attention="auto", compile=True, compile_backend="eager",
+                                            compile_fullgraph=True))
+    assert rel(out, family.reference) < 1e-5
+    od.undo(family.pipe)
+
+
 def test_regional_compile_matches(family):
     torch._dynamo.reset()
     out = family.accelerated(od.AccelConfig(attention="sdpa_math", compile=True, compile_backend="eager"))

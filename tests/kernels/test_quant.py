@@ -58,7 +58,8 @@ def _assert_same_quantization(q, scale, q_ref, scale_ref, *, max_code_diff=0, ma
         assert not torch.isnan(q.float()).any(), "NaN in the FP8 output (unwritten or overflow)"
         # Distance in e4m3 steps: the spacing at |b| is 2**(floor(log2|b|) - 3), at least 2**-9.
         a, b = q.double(), q_ref.double()
-        exponent = torch.floor(torch.log2(b.abs().clamp_min(2.0**-6)))
+        # frexp, not floor(log2): CUDA's log2 of an exact power of two can land just below it.
+        exponent = torch.frexp(b.abs().clamp_min(2.0**-6)).exponent.double() - 1
         codes = (a - b).abs() / torch.pow(2.0, exponent - 3)
     else:
         codes = (q.int() - q_ref.int()).abs().double()
