@@ -18,7 +18,6 @@ Everything here that can be checked without a collective is checked in
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -191,13 +190,6 @@ def offsets(sizes: list[int]) -> list[int]:
     out = [0]
     for size in sizes:
         out.append(out[-1] + size)
-    return out
-
-
-def lcm(*values: int) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
     return out
 
 
