@@ -192,9 +192,11 @@ def test_engine_placement_hunyuan_lower_layer(vllm):
 
 
 def test_launch_failure_is_reported(tmp_path):
-    with pytest.raises(RuntimeError, match="exited"):
-        launch_server(tmp_path / "no-model-here", runner="pooling", python=VLLM_PYTHON,
-                      env=SERVER_ENV, startup_timeout_s=120)
+    """A server that dies while starting (here: a Python without vLLM) raises with its log."""
+    with pytest.raises(RuntimeError, match="exited with code 1") as info:
+        launch_server(tmp_path / "no-model-here", runner="pooling", python=sys.executable,
+                      env={"PYTHONPATH": ""}, startup_timeout_s=60)
+    assert "No module named 'vllm'" in str(info.value)
 
 
 if __name__ == "__main__":
