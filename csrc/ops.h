@@ -20,3 +20,11 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
     const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
     const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
     at::ScalarType out_dtype);
+
+// Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
+// [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or
+// replicated) into out [N, T, lo + h + hi, W] (any strides).
+void halo_pack(const torch::Tensor& x, torch::Tensor& send_lo, torch::Tensor& send_hi);
+void halo_assemble(const torch::Tensor& x, const std::optional<torch::Tensor>& recv_lo,
+                   const std::optional<torch::Tensor>& recv_hi, torch::Tensor& out,
+                   int64_t lo_rows, int64_t hi_rows, int64_t lo_mode, int64_t hi_mode);

@@ -20,6 +20,16 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype) "
       "-> (Tensor, Tensor)");
   ops.impl("quantize_per_token", torch::kCUDA, &quantize_per_token);
+
+  // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.
+  ops.def("halo_pack(Tensor x, Tensor(a!) send_lo, Tensor(b!) send_hi) -> ()");
+  ops.impl("halo_pack", torch::kCUDA, &halo_pack);
+
+  // Write a shard and its halo rows (received, zero or replicated) into a pre-padded buffer.
+  ops.def(
+      "halo_assemble(Tensor x, Tensor? recv_lo, Tensor? recv_hi, Tensor(a!) out, int lo_rows, "
+      "int hi_rows, int lo_mode, int hi_mode) -> ()");
+  ops.impl("halo_assemble", torch::kCUDA, &halo_assemble);
 }
 
 // `import omni_kernels._C` loads this library (and so runs TORCH_LIBRARY above); the module

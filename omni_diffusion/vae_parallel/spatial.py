@@ -50,7 +50,9 @@ class SpatialDecoder:
         self.ctx = ctx
         self.patches = patches
         self.max_halo = max_halo
+        # The latent's row split during a sharded decode; diffusers' unwrapped ``_decode``.
         self.split: RowSplit | None = None
+        self.original_decode = None
 
     def check_latent(self, z: torch.Tensor) -> RowSplit:
         """The row split of latent ``z``; raises ``ValueError`` (on every rank alike) when a

@@ -113,3 +113,25 @@ def test_cuda_and_triton_match_reference_on_gpu(inputs, rel_err, dtype):
         _run_pack(inputs, rel_err, shape, dtype, "cuda", n_lo=min(1, h), n_hi=min(2, h))
         for modes in MODES:
             _run_assemble(inputs, shape, dtype, "cuda", 1, 2, modes)
+
+
+def _opcheck_args(device):
+    x = torch.randn(2, 3, 5, 7, device=device)
+    send_lo, send_hi = torch.empty(2, 3, 1, 7, device=device), torch.empty(2, 3, 2, 7, device=device)
+    recv_lo, recv_hi = torch.randn(2, 3, 1, 7, device=device), torch.randn(2, 3, 2, 7, device=device)
+    out = torch.empty(2, 3, 8, 7, device=device)
+    return ((x, send_lo, send_hi),
+            (x, recv_lo, recv_hi, out, 1, 2, HALO_RECV, HALO_REPLICATE))
+
+
+def test_triton_ops_pass_opcheck():
+    pack_args, assemble_args = _opcheck_args("cpu")
+    torch.library.opcheck(torch.ops.omni_kernels.halo_pack_triton.default, pack_args)
+    torch.library.opcheck(torch.ops.omni_kernels.halo_assemble_triton.default, assemble_args)
+
+
+@pytest.mark.gpu
+def test_cuda_ops_pass_opcheck():
+    pack_args, assemble_args = _opcheck_args("cuda")
+    torch.library.opcheck(torch.ops.omni_kernels.halo_pack.default, pack_args)
+    torch.library.opcheck(torch.ops.omni_kernels.halo_assemble.default, assemble_args)
