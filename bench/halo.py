@@ -64,53 +64,58 @@ def _bench_us(fn) -> float:
 
 
 def bench_kernels(dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for name, channels, height, width in WAN_720P_MAPS:
+        rows += _bench_map(name, channels, height, width, dtype)
+        torch.cuda.empty_cache()  # the map's tensors died with _bench_map's frame
+    return rows
+
+
+def _bench_map(name: str, channels: int, height: int, width: int, dtype: torch.dtype) -> list[dict]:
     from omni_kernels.halo import HALO_RECV, HALO_ZERO, halo_assemble, halo_pack
     from omni_kernels.halo.dispatch import _ineligible_reason
 
     rows = []
-    for name, channels, height, width in WAN_720P_MAPS:
-        h = height // 2  # one rank's shard of two
-        x = torch.randn(channels, FRAMES_PER_CALL, h, width, device="cuda", dtype=dtype)
-        halo = torch.randn(channels, FRAMES_PER_CALL, 1, width, device="cuda", dtype=dtype)
-        out = torch.empty(channels, FRAMES_PER_CALL, h + 2, width, device="cuda", dtype=dtype)
-        send_lo, send_hi = torch.empty_like(halo), torch.empty_like(halo)
-        esize = x.element_size()
-        assemble_bytes = (x.numel() + 2 * halo.numel() + out.numel()) * esize
-        pack_bytes = 4 * halo.numel() * esize
-        copy_src = torch.empty(x.numel() + 2 * halo.numel(), device="cuda", dtype=dtype)
-        copy_dst = torch.empty_like(copy_src)
-        copy_us = _bench_us(lambda: copy_dst.copy_(copy_src))
-        base = dict(map=name, shard=list(x.shape), dtype=str(dtype).replace("torch.", ""),
-                    copy_us=round(copy_us, 2),
-                    copy_tb_s=round(assemble_bytes / copy_us / 1e6, 3))
-        for backend in ("cuda", "triton", "torch"):
-            reason = _ineligible_reason(backend, x)
-            if reason is not None:
-                rows.append(dict(base, backend=backend, status=f"unavailable: {reason}"))
-                continue
-            try:
-                out.fill_(float("nan"))
-                halo_assemble(x, halo, halo, out, lo_rows=1, hi_rows=1, lo_mode=HALO_RECV,
-                              hi_mode=HALO_ZERO, backend=backend)
-                ok = torch.equal(out[:, :, 1:-1], x) and torch.equal(out[:, :, :1], halo) and \
-                    bool((out[:, :, -1:] == 0).all())
-                a_us = _bench_us(lambda: halo_assemble(
-                    x, halo, halo, out, lo_rows=1, hi_rows=1, lo_mode=HALO_RECV,
-                    hi_mode=HALO_ZERO, backend=backend))
-                p_us = _bench_us(lambda: halo_pack(x, send_lo, send_hi, backend=backend))
-                tb_s = assemble_bytes / a_us / 1e6
-                rows.append(dict(
-                    base, backend=backend, status="ok" if ok else "WRONG RESULT",
-                    assemble_us=round(a_us, 2), assemble_tb_s=round(tb_s, 3),
-                    assemble_vs_copy=round(copy_us / a_us, 3),
-                    assemble_vs_h200_ceiling=round(tb_s * 1e12 / H200_COPY_BYTES_PER_S, 3),
-                    pack_us=round(p_us, 2), pack_tb_s=round(pack_bytes / p_us / 1e6, 3),
-                ))
-            except Exception as exc:  # record and go on
-                rows.append(dict(base, backend=backend,
-                                 status=f"error: {type(exc).__name__}: {exc}"[:300]))
-        del x, out, copy_src, copy_dst
-        torch.cuda.empty_cache()
+    h = height // 2  # one rank's shard of two
+    x = torch.randn(channels, FRAMES_PER_CALL, h, width, device="cuda", dtype=dtype)
+    halo = torch.randn(channels, FRAMES_PER_CALL, 1, width, device="cuda", dtype=dtype)
+    out = torch.empty(channels, FRAMES_PER_CALL, h + 2, width, device="cuda", dtype=dtype)
+    send_lo, send_hi = torch.empty_like(halo), torch.empty_like(halo)
+    esize = x.element_size()
+    assemble_bytes = (x.numel() + 2 * halo.numel() + out.numel()) * esize
+    pack_bytes = 4 * halo.numel() * esize
+    copy_src = torch.empty(x.numel() + 2 * halo.numel(), device="cuda", dtype=dtype)
+    copy_dst = torch.empty_like(copy_src)
+    copy_us = _bench_us(lambda: copy_dst.copy_(copy_src))
+    base = dict(map=name, shard=list(x.shape), dtype=str(dtype).replace("torch.", ""),
+                copy_us=round(copy_us, 2),
+                copy_tb_s=round(assemble_bytes / copy_us / 1e6, 3))
+    for backend in ("cuda", "triton", "torch"):
+        reason = _ineligible_reason(backend, x)
+        if reason is not None:
+            rows.append(dict(base, backend=backend, status=f"unavailable: {reason}"))
+            continue
+        try:
+            out.fill_(float("nan"))
+            halo_assemble(x, halo, halo, out, lo_rows=1, hi_rows=1, lo_mode=HALO_RECV,
+                          hi_mode=HALO_ZERO, backend=backend)
+            ok = torch.equal(out[:, :, 1:-1], x) and torch.equal(out[:, :, :1], halo) and \
+                bool((out[:, :, -1:] == 0).all())
+            a_us = _bench_us(lambda: halo_assemble(
+                x, halo, halo, out, lo_rows=1, hi_rows=1, lo_mode=HALO_RECV,
+                hi_mode=HALO_ZERO, backend=backend))
+            p_us = _bench_us(lambda: halo_pack(x, send_lo, send_hi, backend=backend))
+            tb_s = assemble_bytes / a_us / 1e6
+            rows.append(dict(
+                base, backend=backend, status="ok" if ok else "WRONG RESULT",
+                assemble_us=round(a_us, 2), assemble_tb_s=round(tb_s, 3),
+                assemble_vs_copy=round(copy_us / a_us, 3),
+                assemble_vs_h200_ceiling=round(tb_s * 1e12 / H200_COPY_BYTES_PER_S, 3),
+                pack_us=round(p_us, 2), pack_tb_s=round(pack_bytes / p_us / 1e6, 3),
+            ))
+        except Exception as exc:  # record and go on
+            rows.append(dict(base, backend=backend,
+                             status=f"error: {type(exc).__name__}: {exc}"[:300]))
     return rows
 
 
