@@ -182,6 +182,14 @@ def accel_config(pipe: Any) -> AccelConfig | None:
     return None if state is None else state.config
 
 
+def prompt_stage_of(pipe: Any) -> Any:
+    """The LLM prompt stage (:class:`omni_diffusion.ar.stage.PromptStage`) that
+    :func:`accelerate` gave ``pipe``, or None; its ``encoder.stats`` count the encoder's
+    batches (a server exports them)."""
+    state = getattr(pipe, "__dict__", {}).get(_STATE_ATTR)
+    return None if state is None else state.prompt_stage
+
+
 def last_cache_stats(pipe: Any) -> CacheStats | None:
     """The :class:`~omni_diffusion.cache.CacheStats` of ``pipe``'s last finished
     call (also ``pipe.omni_stats``); None before the first call or without
