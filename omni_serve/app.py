@@ -11,7 +11,6 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import io
 import json
 import os
 import re
@@ -20,14 +19,15 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_serve.engine import Engine, EngineError, Job, QueueFull
+from omni_serve.media import FPS, encode_apng, encode_mp4
 from omni_serve.metrics import CONTENT_TYPE_LATEST
 from omni_serve.schemas import (
     MAX_BODY_BYTES,
@@ -269,7 +269,8 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
     @app.get("/health/ready")
     async def ready():
         workers = [{"model": name_of(e), "kind": e.kind, "ready": e.ready,
-                    "queue_depth": e.queue_depth, "worker_pid": e.worker_pid, "error": e.fatal}
+                    "queue_depth": e.queue_depth, "worker_pid": e.worker_pid,
+                    "worker_pids": e.worker_pids, "max_batch": e.max_batch, "error": e.fatal}
                    for e in engines]
         ok = all(e.ready for e in engines)
         body = {"status": "ready" if ok else "not_ready", "workers": workers,
@@ -443,13 +444,30 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         return video_object(*video_job(video_id))
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[Depends(authorize)])
-    async def get_video_content(video_id: str):
+    async def get_video_content(
+        video_id: str,
+        format: Literal["mp4", "apng", "frames"] = Query(
+            "mp4", description="mp4 (H.264, video/mp4), apng (animated PNG) or frames "
+                               "(JSON: each frame a base64 PNG)"),
+        variant: Literal["video", "thumbnail"] = Query(
+            "video", description="video, or thumbnail (the first frame as a PNG)"),
+    ):
         _, job = video_job(video_id)
         if job.status != "completed":
             raise APIError(409, f"video {video_id!r} is {job.status}, not completed",
                            param="video_id", code="not_ready")
-        data = await asyncio.to_thread(_apng, job.result["frames"])
-        return Response(data, media_type="image/apng")
+        frames = job.result["frames"]
+        if variant == "thumbnail":
+            return Response(frames[0], media_type="image/png")
+        if format == "frames":
+            return {"object": "video.frames", "id": job.id, "fps": FPS,
+                    "frames": [base64.b64encode(f).decode() for f in frames]}
+        encoded = job.result.setdefault("encoded", {})
+        if format not in encoded:  # encode once; later fetches reuse it
+            encode = encode_mp4 if format == "mp4" else encode_apng
+            encoded[format] = await asyncio.to_thread(encode, frames)
+        return Response(encoded[format],
+                        media_type="video/mp4" if format == "mp4" else "image/apng")
 
     @app.delete("/v1/videos/{video_id}", dependencies=[Depends(authorize)])
     async def delete_video(video_id: str):
@@ -463,14 +481,3 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
 
 def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
-
-
-def _apng(frames: list[bytes], fps: int = 16) -> bytes:
-    """The frames (PNG bytes) as one animated PNG."""
-    from PIL import Image
-
-    images = [Image.open(io.BytesIO(f)) for f in frames]
-    buf = io.BytesIO()
-    images[0].save(buf, format="PNG", save_all=True, append_images=images[1:],
-                   duration=int(1000 / fps), loop=0)
-    return buf.getvalue()

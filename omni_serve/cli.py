@@ -6,7 +6,11 @@
 
 With no MODEL it serves the embedded default models (``omni_diffusion.embedded``): the
 image model and, when installed, the video model, each in its own worker process.
-The acceleration flags are :func:`omni_diffusion.config.add_cli_arguments`'.
+The acceleration flags are :func:`omni_diffusion.config.add_cli_arguments`', including the
+LLM prompt stages (``--prompt-encoder``, ``--prompt-encoder-url``, ``--prompt-enhancer``,
+``--prompt-enhancer-url``, ``--vllm-gpu-memory-utilization``; see ``omni_diffusion.ar``).
+Batching (``--max-batch``, ``--batch-wait-ms``) and data-parallel replicas (``--replicas``,
+``--gpus-per-replica``) are :mod:`omni_serve.batching`'s.
 """
 
 from __future__ import annotations
@@ -39,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--file-ttl", type=float, default=3600.0,
                         help="seconds a response_format=url file stays available")
     parser.add_argument("--log-level", default="info")
+    g = parser.add_argument_group("batching and replicas")
+    g.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="images one pipeline call may hold: compatible queued requests (same "
+                        "model, size, steps, guidance, frames) run together (1: no batching)")
+    g.add_argument("--batch-wait-ms", type=float, default=0.0, metavar="MS",
+                   help="how long a free worker waits for compatible requests to join a "
+                        "batch (default 0: batch only what is already queued)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="data-parallel worker processes (default: one per GPU group on CUDA, "
+                        "one on the CPU)")
+    g.add_argument("--gpus-per-replica", type=int, default=1, metavar="G",
+                   help="GPUs in each replica's group; its pipeline's components are spread "
+                        "over them (default 1)")
     add_cli_arguments(parser)
     return parser
 
@@ -76,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.max_queue < 0:
         parser.error("--max-queue must be >= 0")
+    if args.max_batch < 1:
+        parser.error(f"--max-batch {args.max_batch} is not allowed; allowed: an integer >= 1")
+    if not 0 <= args.batch_wait_ms <= 10_000:
+        parser.error(f"--batch-wait-ms {args.batch_wait_ms} is not allowed; allowed: 0 to 10000")
     kinds: list[str | None] = [None]
     if args.model is None:
         kinds = _embedded_kinds()
@@ -89,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from omni_serve.batching import plan_replicas
+
+    try:
+        num_gpus = 0
+        if device.startswith("cuda"):
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+        placement = plan_replicas(device, num_devices=num_gpus, replicas=args.replicas,
+                                  gpus_per_replica=args.gpus_per_replica)
+    except ValueError as exc:
+        parser.error(str(exc))
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -109,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             name = f"{args.model_name or 'omni-embedded'}-{kind}"
         engines.append(Engine(args.model, accel, kind=kind, name=name, max_queue=args.max_queue,
-                              device=device, dtype=dtype, metrics=metrics))
+                              device=device, dtype=dtype, metrics=metrics, placement=placement,
+                              max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000))
     app = create_app(engines, api_key=args.api_key, model_id=name,
                      default_size=args.default_size, file_ttl=args.file_ttl)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

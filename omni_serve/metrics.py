@@ -29,6 +29,13 @@ class Metrics:
         self.batch_size = Histogram(
             "omni_batch_size", "Requests run together through the denoising loop",
             buckets=(1, 2, 4, 8, 16, 32), registry=r)
+        self.replica_batches = Counter(
+            "omni_replica_batches", "Pipeline calls run by each data-parallel replica",
+            ["replica"], registry=r)
+        self.prompt_encoder = Gauge(
+            "omni_prompt_encoder", "The LLM prompt encoder's batcher (--prompt-encoder), per "
+            "replica worker since it started: batches (backend calls), submissions, prompts",
+            ["replica", "count"], registry=r)
         self.worker_restarts = Counter(
             "omni_worker_restarts", "Model worker processes restarted after dying", registry=r)
 

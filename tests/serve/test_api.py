@@ -38,9 +38,9 @@ class StubEngine(Engine):
         loop = asyncio.get_running_loop()
 
         def finish() -> None:
-            self._on_event(("start", job.id))
+            self._on_event(("batch", [job.id]))
             for step in (1, 2):
-                self._on_event(("progress", job.id, step, 2, 0.01))
+                self._on_event(("progress", [job.id], step, 2, 0.01))
             self._on_event(("done", job.id, {"images": [_png()] * job.params["n"]}))
 
         loop.call_soon(finish)

@@ -8,6 +8,18 @@ import time
 import httpx
 
 
+def _decode_mp4(data: bytes):
+    """Every frame of an MP4 as ``[H, W, 3]`` uint8 arrays, after checking the container:
+    ``ftyp`` first, an H.264 video stream."""
+    import av
+
+    assert data[4:8] == b"ftyp", data[:16]
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264"
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+
+
 def _wait(server, video_id: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -31,11 +43,24 @@ def test_video_job_lifecycle(wan_server):
     done = _wait(wan_server, obj["id"])
     assert done["status"] == "completed" and done["progress"] == 100, done
     content = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content")
-    assert content.status_code == 200 and content.headers["content-type"] == "image/apng"
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    frames = _decode_mp4(content.content)
+    assert len(frames) >= 2  # (the tiny VAE decodes at 1/4 of the size)
+    apng = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content", params={"format": "apng"})
+    assert apng.status_code == 200 and apng.headers["content-type"] == "image/apng"
     from PIL import Image
 
-    video = Image.open(io.BytesIO(content.content))
-    assert getattr(video, "n_frames", 1) >= 2  # (the tiny VAE decodes at 1/4 of the size)
+    video = Image.open(io.BytesIO(apng.content))
+    assert video.n_frames == len(frames)
+    assert (video.width + video.width % 2, video.height + video.height % 2) == frames[0].shape[1::-1]
+    listed = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content",
+                       params={"format": "frames"}).json()
+    assert listed["object"] == "video.frames" and len(listed["frames"]) == len(frames)
+    thumb = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content",
+                      params={"variant": "thumbnail"})
+    assert thumb.headers["content-type"] == "image/png" and thumb.content.startswith(b"\x89PNG")
+    bad = httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}/content", params={"format": "gif"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "format"
     deleted = httpx.delete(f"{wan_server.url}/v1/videos/{obj['id']}").json()
     assert deleted == {"id": obj["id"], "object": "video.deleted", "deleted": True}
     assert httpx.get(f"{wan_server.url}/v1/videos/{obj['id']}").status_code == 404
