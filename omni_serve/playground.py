@@ -1,4 +1,8 @@
-"""``GET /``: a small playground page (plain HTML and JS, no build step)."""
+"""``GET /``: a small playground page (plain HTML and JS, no build step).
+
+The query string pre-fills the form (``?prompt=...&size=32x32&steps=4&seed=3``) and
+``&run=1`` starts a generation on load, so a link can share a request.
+"""
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>omni-serve playground</title>
@@ -9,7 +13,7 @@ progress{width:100%} #out img{max-width:100%;margin-top:1rem} #err{color:#b00}
 </style></head><body>
 <h1>omni-serve</h1>
 <label>Prompt<textarea id="prompt" rows="3">a red fox in the snow</textarea></label>
-<label>Size<input id="size" value="512x512"></label>
+<label>Size<input id="size" placeholder="the server's default, e.g. 512x512"></label>
 <label>Steps<input id="steps" type="number" min="1" max="100" value="4"></label>
 <label>Seed<input id="seed" type="number" min="0" placeholder="random"></label>
 <label>API key<input id="key" type="password" placeholder="(none)"></label>
@@ -18,11 +22,16 @@ progress{width:100%} #out img{max-width:100%;margin-top:1rem} #err{color:#b00}
 <div id="status"></div><div id="err"></div><div id="out"></div>
 <script>
 const $ = (id) => document.getElementById(id);
+const query = new URLSearchParams(location.search);
+for (const [name, id] of [["prompt", "prompt"], ["size", "size"], ["steps", "steps"], ["seed", "seed"]]) {
+  if (query.has(name)) $(id).value = query.get(name);
+}
 $("go").onclick = async () => {
   $("err").textContent = ""; $("out").innerHTML = ""; $("bar").value = 0;
   $("status").textContent = "queued";
-  const body = {prompt: $("prompt").value, size: $("size").value,
-                num_inference_steps: Number($("steps").value), stream: true};
+  const body = {prompt: $("prompt").value, num_inference_steps: Number($("steps").value),
+                stream: true};
+  if ($("size").value !== "") body.size = $("size").value;
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const headers = {"Content-Type": "application/json"};
   if ($("key").value) headers["Authorization"] = "Bearer " + $("key").value;
@@ -58,5 +67,6 @@ $("go").onclick = async () => {
     }
   }
 };
+if (query.get("run") === "1") $("go").click();
 </script></body></html>
 """

@@ -25,11 +25,12 @@ def _png(size: int = 8) -> bytes:
 class StubEngine(Engine):
     """Finishes every job at once with ``n`` small PNGs; never starts a process."""
 
-    def __init__(self, max_queue: int = 4, hold: bool = False) -> None:
-        super().__init__("stub", max_queue=max_queue)
+    def __init__(self, max_queue: int = 4, hold: bool = False, kind: str = "image",
+                 name: str | None = None) -> None:
+        super().__init__("stub", max_queue=max_queue, name=name)
         self.ready = True
-        self.info = {"kind": "image", "pipeline": "StubPipeline"}
-        self.kind = "image"
+        self.info = {"kind": kind, "pipeline": "StubPipeline"}
+        self.kind = kind
         self.hold = hold  # leave jobs running (for backpressure tests)
         self.submitted: list[dict] = []
         self._loop = None
@@ -41,7 +42,10 @@ class StubEngine(Engine):
             self._on_event(("batch", [job.id]))
             for step in (1, 2):
                 self._on_event(("progress", [job.id], step, 2, 0.01))
-            self._on_event(("done", job.id, {"images": [_png()] * job.params["n"]}))
+            if job.kind == "video":
+                self._on_event(("done", job.id, {"frames": [_png(), _png()]}))
+            else:
+                self._on_event(("done", job.id, {"images": [_png()] * job.params["n"]}))
 
         loop.call_soon(finish)
 
@@ -274,3 +278,29 @@ def test_videos_refused_by_an_image_model():
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_model"
             assert (await client.get("/v1/videos/video_nope")).status_code == 404
     run(main())
+
+
+def _fuzz_app():
+    engines = [StubEngine(max_queue=64, name="stub-image"),
+               StubEngine(max_queue=64, kind="video", name="stub-video")]
+    return create_app(engines, manage_engine=False, model_id="stub", default_size="32x32")
+
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
+
+_fuzzed = _fuzz_app()
+fuzz_schema = schemathesis.openapi.from_asgi("/openapi.json", _fuzzed)
+
+
+@fuzz_schema.parametrize()
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzz_from_openapi_schema_no_5xx(case):
+    """Requests generated from the app's own OpenAPI schema (valid and invalid bodies, query
+    and path values): never a 5xx, and every error is an OpenAI-style error body."""
+    response = case.call()
+    assert response.status_code < 500, (case.method, case.formatted_path, case.body,
+                                        response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]

@@ -178,3 +178,79 @@ def test_embedded_image_model_is_found():
     from omni_serve.cli import _embedded_kinds
 
     assert "image" in _embedded_kinds()
+
+
+async def _playground_in_chromium(url: str, timeout: float = 60.0) -> dict:
+    """Open ``url`` in headless Chromium and drive it over the DevTools protocol until the
+    page says done (or failed); returns the page's state read from its DOM."""
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    websockets = pytest.importorskip("websockets")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("headless Chromium is not installed (Debian: apt-get install -y chromium)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    profile = tempfile.mkdtemp(prefix="omni-serve-chromium-")
+    proc = subprocess.Popen([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                             "--disable-dev-shm-usage", f"--remote-debugging-port={port}",
+                             f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=1).json()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "Chromium's DevTools endpoint did not come up"
+                await asyncio.sleep(0.1)
+        page = next(t for t in targets if t["type"] == "page")
+        async with websockets.connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
+            ids = iter(range(1, 1_000_000))
+
+            async def call(method: str, **params):
+                n = next(ids)
+                await ws.send(json.dumps({"id": n, "method": method, "params": params}))
+                while True:
+                    message = json.loads(await ws.recv())
+                    if message.get("id") == n:
+                        return message["result"]
+
+            await call("Page.navigate", url=url)
+            read = ("JSON.stringify({status: $('status').textContent, err: $('err').textContent,"
+                    " bar: [$('bar').value, $('bar').max],"
+                    " images: [...document.querySelectorAll('#out img')].map(i => i.src)})")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                result = await call("Runtime.evaluate", expression=read, returnByValue=True)
+                value = result.get("result", {}).get("value")
+                state = json.loads(value) if value else {}
+                if state.get("status") == "done" or state.get("err"):
+                    return state
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"the playground did not finish in {timeout}s: {state}")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_playground_in_headless_chromium(server):
+    """The page streams a generation (progress bar to the last step) and shows the same image
+    the API returns for the same request; a bad size shows the server's error message."""
+    state = asyncio.run(_playground_in_chromium(
+        server.url + "/?prompt=a%20blue%20square&steps=3&seed=5&run=1"))
+    assert state["status"] == "done" and state["err"] == "", state
+    assert state["bar"] == [3, 3]
+    assert len(state["images"]) == 1 and state["images"][0].startswith("data:image/png;base64,")
+    api = httpx.post(server.url + GEN, json={"prompt": "a blue square", "num_inference_steps": 3,
+                                             "seed": 5}, timeout=60).json()
+    assert state["images"][0].split(",", 1)[1] == api["data"][0]["b64_json"]
+    state = asyncio.run(_playground_in_chromium(server.url + "/?prompt=a&size=33x32&run=1"))
+    assert "size" in state["err"] and state["images"] == []
