@@ -28,7 +28,9 @@ import torch
 from omni_kernels.attention import attention, get_backend, select_backend
 from omni_kernels.attention.quantized.attention_kernel import (
     SageConfig,
+    default_config,
     sage_attention_forward,
+    sage_attention_quantized,
 )
 from omni_kernels.attention.quantized.quantize import quantize_qkv
 from omni_kernels.attention.quantized.reference import (
@@ -119,6 +121,32 @@ def test_quantize_matches_reference(inputs, dtype, layout):
     assert ((vd - bh(v).float()).abs() <= bh(v).float().abs() / 16 + 2.0**-9 * got.v_scale.amax()).all()
 
 
+def test_quantize_ties_correctly_rounded():
+    """float16 rows whose max has a mantissa divisible by 127 put ``x * 127 / amax``
+    exactly on ``n + 0.5``: the codes then depend on the last bit of ``127 / amax``.
+    Kernel and reference must both use the correctly rounded quotient (a
+    reciprocal-then-multiply or an approximate divide flips codes here)."""
+    d = 64
+    rows = []
+    for m in (9, 11, 13, 15):  # amax = 127 * m * 2**e: 127 / amax is not a power of two
+        for e in (-10, -7):
+            amax = 127 * m * 2.0**e
+            ties = [(2 * j + 1) * m * 2.0 ** (e - 1) for j in range(d - 1)]  # (2j+1)/2 steps
+            rows.append([amax] + [t if t < amax else 0.0 for t in ties])
+    q = torch.tensor(rows, dtype=torch.float16)[None, None]  # [1, 1, 8, 64]
+    assert torch.equal(q.float(), torch.tensor(rows, dtype=torch.float32)[None, None]), "not exact in fp16"
+    x = q.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = (127.0 / amax).float().double()  # the correctly rounded float32 quotient
+    prod = (x * inv).float().double()  # exact in float64, then one float32 rounding
+    expected = torch.where(prod >= 0, prod + 0.5, prod - 0.5).trunc().to(torch.int8)
+    kv = torch.randn(1, 1, 16, d, dtype=torch.float16)
+    for impl in (quantize_qkv, quantize_qkv_reference):
+        got = impl(q, kv, kv, block_n=16)
+        assert torch.equal(got.q_int8, expected), impl.__name__
+        assert torch.equal(got.q_scale, (amax.squeeze(-1) / 127.0).float()), impl.__name__
+
+
 # --------------------------------------------------------------------------- CPU: attention kernel
 
 
@@ -172,6 +200,48 @@ def test_other_block_shape_and_interpreter_config(inputs, rel_err):
     out = sage_attention_forward(q, k, v, config=cfg)
     ref = quantized_attention_reference(quantize_qkv_reference(q, k, v, block_n=32), scale=0.125)
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_tma_descriptor_path_in_interpreter(inputs, rel_err):
+    """``use_tma``: Q, K and V^T through tensor descriptors (the interpreter
+    emulates them) gives the pointer path's result; int32 coordinates."""
+    b, hq, hkv, sq, skv, d = 2, 4, 2, 37, 45, 64
+    q = inputs.activations((b, hq, sq, d), torch.float16)
+    k = inputs.activations((b, hkv, skv, d), torch.float16) + 1.0
+    v = inputs.activations((b, hkv, skv, d), torch.float16, outlier_channels=0)
+    lengths = torch.tensor([45, 30])
+    qkv = quantize_qkv(q, k, v, block_n=16, key_lengths=lengths)
+    ref, ref_lse = quantized_attention_reference(qkv, scale=0.125, key_lengths=lengths, return_lse=True)
+    for cfg in (SageConfig(16, 16, 4, 1, use_tma=True), SageConfig(16, 16, 4, 1, warp_specialize=True)):
+        out = torch.full_like(q, float("nan"))
+        _, lse = sage_attention_quantized(qkv, out, layout="bhsd", scale=0.125, key_lengths=lengths,
+                                          return_lse=True, config=cfg)
+        assert rel_err(out, ref) <= 2e-3, cfg.describe()
+        assert (lse - ref_lse).abs().max().item() <= 1e-4, cfg.describe()
+
+
+def test_lse_includes_key_mean_and_merges_across_key_shards(rel_err):
+    """The LSE is that of the scores *with* K's mean (which the smoothing takes
+    out): against float32 attention's LSE it is off only by quantization error,
+    and two key shards, each smoothed by its own mean, merge by their LSEs into
+    the full attention (what ring attention does)."""
+    gen = torch.Generator().manual_seed(11)
+    q, _, _ = dit_like_qkv(gen, (1, 2, 40, 64), torch.float32)
+    _, k, v = dit_like_qkv(gen, (1, 2, 96, 64), torch.float32)
+    k[:, :, 48:, :8] += 4.0  # the second shard's keys have another mean
+    scale = 0.125
+    exact_lse = torch.logsumexp(q @ k.transpose(-1, -2) * scale, dim=-1)
+    out, lse = sage_attention_forward(q, k, v, return_lse=True)
+    # INT8 scores of sharp DiT-like rows: ~0.01 mean, < 0.15 worst; without the mean: units
+    err = (lse - exact_lse).abs()
+    assert err.mean().item() <= 0.03 and err.max().item() <= 0.15
+    parts = [sage_attention_forward(q, k[:, :, sl], v[:, :, sl], return_lse=True)
+             for sl in (slice(0, 48), slice(48, 96))]
+    total = torch.logaddexp(parts[0][1], parts[1][1])
+    merged = sum(o * torch.exp(l - total)[..., None] for o, l in parts)
+    assert (total - exact_lse).abs().max().item() <= 0.15
+    assert rel_err(merged, _exact(q, k, v)) <= 3e-2
+    assert rel_err(merged, out) <= 3e-2
 
 
 def test_kernel_argument_errors():
@@ -324,34 +394,64 @@ def test_gpu_accuracy_at_benchmark_shapes(shape_name):
     assert cos >= 0.999 and rel <= 3e-2, line
 
 
+GPU_CONFIGS = [None, SageConfig(64, 128, 4, 3, use_tma=True), SageConfig(128, 128, 8, 3),
+               SageConfig(128, 128, 8, 3, use_tma=True)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: "default" if c is None else c.describe())
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_gpu_kernel_matches_blockwise_reference(layout, use_tma):
+def test_gpu_kernel_matches_blockwise_reference(layout, config):
+    """The compiled attention kernel against the reference on the *same* quantized
+    tensors (GPU quantizer), so only the kernel's math is compared."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
+    if config is not None and config.use_tma and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90")
     gen = torch.Generator(device="cuda").manual_seed(8)
     b, hq, hkv, sq, skv, d = 2, 4, 2, 1000, 3001, 128
     q, _, _ = dit_like_qkv(gen, (b, hq, sq, d), torch.float16, "cuda")
     _, k, v = dit_like_qkv(gen, (b, hkv, skv, d), torch.float16, "cuda")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    cfg = SageConfig(128, 128, 8, 3, use_tma=use_tma)
+    cfg = config or default_config(d, q.device)
     lengths = torch.tensor([3001, 2000], device="cuda")
-    out, lse = sage_attention_forward(q, k, v, layout=layout, config=cfg, key_lengths=lengths,
-                                      return_lse=True)
-    ref, ref_lse = quantized_attention_reference(
-        quantize_qkv_reference(q, k, v, layout=layout, block_n=128, key_lengths=lengths),
-        scale=1 / math.sqrt(d),
-        key_lengths=lengths, return_lse=True,
-    )
+    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=lengths)
+    out = torch.full_like(q, float("nan"))
+    _, lse = sage_attention_quantized(qkv, out, layout=layout, scale=1 / math.sqrt(d),
+                                      key_lengths=lengths, return_lse=True, config=cfg)
+    ref, ref_lse = quantized_attention_reference(qkv, scale=1 / math.sqrt(d), key_lengths=lengths,
+                                                 return_lse=True)
     if layout == "bshd":
         ref = ref.transpose(1, 2)
     # exp2 differs in the last bits between the GPU and torch, which moves a few
-    # FP8 roundings of P by one step
+    # FP8 roundings of P by one step; the LSE sees only those last bits
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel <= 5e-3, f"rel {rel:.3e}"
     assert (lse - ref_lse).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_quantize_matches_reference(layout, dtype):
+    """The compiled quantizers give the reference's bytes: Q codes exactly (the
+    correctly rounded 127 / amax; DiT-like float16/bfloat16 rows hit exact
+    rounding ties), K codes within one step (the mean is summed in another
+    order), V's FP8 bytes exactly."""
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = dit_like_qkv(gen, (2, 4, 3001, 128), dtype, "cuda")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    lengths = torch.tensor([3001, 1234], device="cuda")
+    got = quantize_qkv(q, k, v, layout=layout, block_n=128, key_lengths=lengths)
+    ref = quantize_qkv_reference(q, k, v, layout=layout, block_n=128, key_lengths=lengths)
+    assert torch.equal(got.q_int8, ref.q_int8) and torch.equal(got.q_scale, ref.q_scale)
+    for name in ("k_scale", "k_mean", "v_scale"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.q_kmean, ref.q_kmean, rtol=1e-4, atol=1e-3)  # 128-term sums
+    assert (got.k_int8.int() - ref.k_int8.int()).abs().max().item() <= 1
+    assert torch.equal(got.v_fp8.view(torch.uint8), ref.v_fp8.view(torch.uint8))
 
 
 @pytest.mark.gpu

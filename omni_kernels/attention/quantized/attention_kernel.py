@@ -7,8 +7,9 @@ step by step, is :func:`.reference.quantized_attention_reference`.
 Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_flash`)
 ---------------------------------------------------------------------------------
 * One program per ``(query block of BLOCK_M rows, batch * query head)``, query
-  block fastest so a head's K/V stream is shared through L2. ``BLOCK_M = 128``
-  with 8 warps: two warpgroups of 64 rows on Hopper.
+  block fastest so a head's K/V stream is shared through L2. On Hopper at
+  head_dim 128 the default is ``BLOCK_M = 64`` with 4 warps (one warpgroup),
+  ``BLOCK_N = 128``, 3 stages: measured fastest (see :func:`default_config`).
 * ``S = Q_int8 K_int8^T`` is an ``int8 x int8 -> int32`` ``tl.dot`` (wgmma
   ``s8``, twice bf16's rate); it is exact, and one multiply by
   ``q_scale[row] * k_scale[block] * scale * log2(e)`` turns it into base-2 logits.
@@ -27,7 +28,11 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
   loop loads without masks; only the last partial block (``Skv`` or
   ``key_lengths[b]`` not a multiple of ``BLOCK_N``) masks scores to ``-inf``.
 * ``use_tma``: K, V^T and Q tiles through host-built TMA descriptors
-  (``triton.tools.tensor_descriptor``), else plain pointer loads.
+  (``triton.tools.tensor_descriptor``), else plain pointer loads. TMA
+  coordinates are int32 (rows of 2-D views, checked < 2**31 on the host);
+  pointer arithmetic is int64.
+* ``return_lse``: the log-sum-exp with K's mean added back (``scale * q . k_mean``
+  from the unquantized q), so shards of keys merge exactly (see :mod:`.reference`).
 
 Limits: forward only; not causal; head_dim 64 or 128; float16/bfloat16 in and
 out (float32 too under the interpreter). Needs FP8 tensor cores: compute
@@ -65,62 +70,69 @@ def _sage_range(
     k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
     offs_n, lo, hi, kv_len, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    USE_TMA: tl.constexpr, EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Online softmax over key blocks ``[lo, hi)``; ``MASKED`` masks keys ``>= kv_len``.
 
-    ``k_ptrs``/``v_ptrs``/``ks_ptr`` point at block ``lo``'s K tile ``[BLOCK_N, D]``,
-    V^T tile ``[D, BLOCK_N]`` and K scale.
+    ``k_ptrs``/``v_ptrs``/``ks_ptr`` point at key block 0's K tile ``[BLOCK_N, D]``,
+    V^T tile ``[D, BLOCK_N]`` and K scale; ``k_row0``/``v_row0`` (int32) are the
+    head's first row in the TMA views. Addresses are formed from ``start_n``
+    (no loop-carried pointers), which Triton's warp specialization needs.
     """
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if USE_TMA:
             k = k_desc.load([k_row0 + start_n, 0])
         else:
-            k = tl.load(k_ptrs)
+            k = tl.load(k_ptrs + start_n.to(tl.int64) * HEAD_DIM)
         s_int = tl.dot(q, tl.trans(k))  # int8 x int8 -> int32, exact
-        factor = row_scale * (tl.load(ks_ptr) * qk_scale)
-        s = s_int.to(tl.float32) * factor[:, None]  # base-2 logits
-        if MASKED:
-            s = tl.where((start_n + offs_n)[None, :] < kv_len, s, float("-inf"))
+        factor = row_scale * (tl.load(ks_ptr + start_n // BLOCK_N) * qk_scale)  # >= 0
+        s = s_int.to(tl.float32)
         # m is kept shifted by log2(448): p = exp2(s - m) fills FP8's [0, 448]
-        m_new = tl.maximum(m_i, tl.max(s, 1) - _SHIFT)
-        p = tl.math.exp2(s - m_new[:, None])
+        if MASKED:
+            s = tl.where((start_n + offs_n)[None, :] < kv_len, s * factor[:, None], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) - _SHIFT)
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            # factor >= 0, so max(s) * factor == max(s * factor); the scaling then
+            # folds into one fma per score.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * factor - _SHIFT)
+            p = tl.math.exp2(s * factor[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if USE_TMA:
             vt = v_desc.load([v_row0, start_n])
         else:
-            vt = tl.load(v_ptrs)
+            vt = tl.load(v_ptrs + start_n)
         # A fresh float32 tile per block, folded in with an fma: Triton combines
         # `x + dot(a, b, 0)` into `dot(a, b, x)`, which would let the FP8 MMA's
         # short accumulator sum across blocks; an fma is not rewritten.
         pv = tl.dot(fp8_convert(p, EMULATE_FP8), tl.trans(vt))
         acc = tl.fma(acc, tl.broadcast_to(alpha[:, None], acc.shape), pv)
-        k_ptrs += BLOCK_N * HEAD_DIM
-        v_ptrs += BLOCK_N
-        ks_ptr += 1
     return acc, l_i, m_i
 
 
 @triton.jit
 def _sage_fwd_kernel(
-    Q8, QS, K8, KS, VT8, VS, Out, LSE, KEY_LENGTHS,
+    Q8, QS, QKMEAN, K8, KS, VT8, VS, Out, LSE, KEY_LENGTHS,
     q_desc, k_desc, v_desc,
     stride_ob, stride_oh, stride_om,
-    num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_m_blocks, num_k_blocks,
-    qk_scale,
+    num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_m_blocks,
+    scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KEY_LENGTHS: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
     m_block = pid % num_m_blocks
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    kv_bh = (b * num_kv_heads + h // (num_heads // num_kv_heads)).to(tl.int64)
+    # int32 row indices for TMA coordinates (32-bit by hardware and by Triton;
+    # the host checks every view has < 2**31 rows), int64 for pointer math.
+    kv_bh32 = b * num_kv_heads + h // (num_heads // num_kv_heads)
+    kv_bh = kv_bh32.to(tl.int64)
     start_m = m_block * BLOCK_M
 
     kv_len = seq_k
@@ -141,9 +153,9 @@ def _sage_fwd_kernel(
 
     k_ptrs = K8 + (kv_bh * seq_k_pad + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     v_ptrs = VT8 + (kv_bh * HEAD_DIM + offs_d[:, None]) * seq_k_pad + offs_n[None, :]
-    ks_ptr = KS + kv_bh * num_k_blocks
-    k_row0 = kv_bh * seq_k_pad
-    v_row0 = kv_bh * HEAD_DIM
+    ks_ptr = KS + kv_bh * (seq_k_pad // BLOCK_N)
+    k_row0 = kv_bh32 * seq_k_pad
+    v_row0 = kv_bh32 * HEAD_DIM
 
     # m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -154,15 +166,12 @@ def _sage_fwd_kernel(
     acc, l_i, m_i = _sage_range(
         acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, 0, full_end, kv_len, qk_scale,
-        HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8,
+        HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8, WARP_SPECIALIZE,
     )
-    blocks = full_end // BLOCK_N
     acc, l_i, m_i = _sage_range(
-        acc, l_i, m_i, q, row_scale,
-        k_ptrs + full_end.to(tl.int64) * HEAD_DIM, v_ptrs + full_end, ks_ptr + blocks,
-        k_desc, v_desc, k_row0, v_row0,
+        acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, full_end, kv_len, kv_len, qk_scale,
-        HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8,
+        HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8, False,
     )
 
     has_keys = l_i > 0.0
@@ -175,7 +184,13 @@ def _sage_fwd_kernel(
     )
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
-        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
+        # The scores ran on K minus its mean, which shifts row i's log-sum-exp
+        # by q_i . k_mean: add it back, so the LSE is that of the attention the
+        # quantized inputs represent and partial results over different key
+        # shards (ring attention, each shard with its own mean) merge correctly.
+        # (q . k_mean comes from the unquantized q, so this term has no INT8 error.)
+        q_kmean = tl.load(QKMEAN + q_rows, mask=row_ok, other=0.0)
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * _LN2 + q_kmean * scale, float("-inf"))
         tl.store(LSE + q_rows, lse, mask=row_ok)
 
 
@@ -190,28 +205,40 @@ class SageConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    use_tma: bool = False
+    use_tma: bool = False  # K, V^T, Q through host-built TMA descriptors (sm_90+)
+    warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
 
     def describe(self) -> str:
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
-                + ("+tma" if self.use_tma else ""))
+                + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else ""))
 
 
 _INTERPRETER_CONFIG = SageConfig(16, 16, 4, 1)
+# Measured on an H200 (Triton 3.6, torch 2.11, bf16, bench/quantized_attention_tune.py),
+# quantization included: M64xN128 w4 s3 gave 468 / 678 / 683 TFLOP/s-equivalent
+# (0.78x / 1.24x / 1.15x cuDNN) at Flux 1024^2 / Wan 720p / HunyuanVideo 720p,
+# against 409 / 642 / 646 for M128xN128 w8 s3. One warpgroup per 64 rows keeps
+# the int32 scores, P and the float32 accumulator in registers without spilling.
+_HOPPER_D128_CONFIG = SageConfig(64, 128, 4, 3)
+_FALLBACK_CONFIG = SageConfig(128, 128, 8, 3)
 
 
 def default_config(head_dim: int, device: torch.device | str | None = None) -> SageConfig:
-    """The fixed config: BLOCK_M 128 / 8 warps (two warpgroups), BLOCK_N 128, 3 stages.
+    """The config :func:`sage_attention_forward` uses when none is given.
 
-    Not measured yet (bench/quantized_attention_tune.py picks the winner on an
-    H200; the dense kernel's winner at D=128 has the same blocks). Under the
-    interpreter: 16x16 blocks.
+    * Hopper (compute capability 9.x), head_dim 128: ``M64xN128 w4 s3``, the
+      fastest measured (see ``_HOPPER_D128_CONFIG``).
+    * Elsewhere (head_dim 64, Ada, Blackwell): ``M128xN128 w8 s3``, not measured.
+    * Under the interpreter: 16x16 blocks.
     """
     if triton_interpreter_enabled():
         return _INTERPRETER_CONFIG
-    if head_dim <= 64:
-        return SageConfig(128, 128, 8, 3)
-    return SageConfig(128, 128, 8, 3)
+    device = torch.device(device) if device is not None else None
+    if head_dim == 128 and device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(index)[0] == 9:
+            return _HOPPER_D128_CONFIG
+    return _FALLBACK_CONFIG
 
 
 # --------------------------------------------------------------------------- host side
@@ -253,25 +280,33 @@ def unsupported_reason(q, k, v, layout: str) -> str | None:
     return None
 
 
+_TMA_MAX_ROWS = 2**31  # TMA coordinates are int32
+
+
 def _tma_descriptors(qkv: QuantizedQKV, cfg: SageConfig):
     """TMA descriptors of the quantized Q ``[B*Hq*Sq, D]``, K ``[B*Hkv*Skv_pad, D]``
-    and V^T ``[B*Hkv*D, Skv_pad]`` (all contiguous), or None when unavailable."""
+    and V^T ``[B*Hkv*D, Skv_pad]`` (all contiguous, one 2-D view each).
+
+    Raises RuntimeError naming what is missing when ``cfg.use_tma`` cannot be
+    honoured (so a tuning run never times the pointer path under a ``+tma`` name).
+    """
     if _TensorDescriptor is None:
-        return None
+        raise RuntimeError("use_tma needs triton.tools.tensor_descriptor (Triton >= 3.4)")
     d = qkv.q_int8.shape[-1]
     q2 = qkv.q_int8.reshape(-1, d)
     k2 = qkv.k_int8.reshape(-1, d)
     v2 = qkv.v_fp8.reshape(-1, qkv.v_fp8.shape[-1])
-    if any(t.data_ptr() % 16 for t in (q2, k2, v2)) or v2.shape[1] % 16:
-        return None
-    try:
-        return (
-            _TensorDescriptor(q2, list(q2.shape), [d, 1], [cfg.block_m, d]),
-            _TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d]),
-            _TensorDescriptor(v2, list(v2.shape), [v2.shape[1], 1], [d, cfg.block_n]),
-        )
-    except AssertionError:
-        return None
+    if any(t.data_ptr() % 16 for t in (q2, k2, v2)):
+        raise RuntimeError("use_tma needs 16-byte aligned quantized tensors")
+    rows = max(q2.shape[0] + cfg.block_m, k2.shape[0], v2.shape[0])
+    if rows >= _TMA_MAX_ROWS:
+        raise RuntimeError(f"use_tma needs fewer than 2**31 rows per 2-D view (int32 "
+                           f"coordinates); these inputs have {rows}: use a config without TMA")
+    return (
+        _TensorDescriptor(q2, list(q2.shape), [d, 1], [cfg.block_m, d]),
+        _TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d]),
+        _TensorDescriptor(v2, list(v2.shape), [v2.shape[1], 1], [d, cfg.block_n]),
+    )
 
 
 def sage_attention_quantized(
@@ -299,22 +334,23 @@ def sage_attention_quantized(
     lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=out.device) if return_lse else None
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=out.device, dtype=torch.int32).contiguous()
-    descs = _tma_descriptors(qkv, cfg) if cfg.use_tma else None
-    use_tma = descs is not None
-    q_desc, k_desc, v_desc = descs if use_tma else (None, None, None)
+    use_tma = bool(cfg.use_tma)
+    q_desc, k_desc, v_desc = _tma_descriptors(qkv, cfg) if use_tma else (None, None, None)
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
     sob, soh, som = _bhs_strides(out, layout)
     if batch * hq * sq > 0:
         _sage_fwd_kernel[(num_m_blocks * batch * hq,)](
-            qkv.q_int8, qkv.q_scale, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale, out,
+            qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale, out,
             lse if lse is not None else out, key_lengths if key_lengths is not None else out,
             q_desc, k_desc, v_desc,
             sob, soh, som,
-            hq, hkv, sq, qkv.seq_kv, skv_pad, num_m_blocks, qkv.k_scale.shape[-1],
-            float(scale) * LOG2E,
+            hq, hkv, sq, qkv.seq_kv, skv_pad, num_m_blocks,
+            float(scale), float(scale) * LOG2E,
             HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             HAS_KEY_LENGTHS=key_lengths is not None, RETURN_LSE=return_lse, USE_TMA=use_tma,
             EMULATE_FP8=triton_interpreter_enabled(),
+            # the interpreter has no warp specialization (the loop is the same)
+            WARP_SPECIALIZE=bool(cfg.warp_specialize) and not triton_interpreter_enabled(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

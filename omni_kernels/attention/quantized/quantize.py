@@ -9,7 +9,8 @@ these kernels produce the same bytes. Three launches:
    and V's per-channel maximum are reductions over the *whole* sequence that
    the quantization needs first, so K and V are read twice (stats, then
    quantization); Q once.
-2. :func:`_q_quant_kernel`: Q to INT8 with one scale per token.
+2. :func:`_q_quant_kernel`: Q to INT8 with one scale per token, and ``q . k_mean``
+   per token (float32, for the log-sum-exp).
 3. :func:`_kv_quant_kernel`: per key block, K minus its mean to INT8 with one
    scale per block, and V to FP8 e4m3 with its per-channel scale, written
    transposed (``[B, Hkv, D, Skv_pad]``) as the FP8 MMA wants it.
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from omni_kernels._triton import triton_interpreter_enabled
-from omni_kernels.attention.quantized.reference import FP8_DTYPE, QuantizedQKV
+from omni_kernels.attention.quantized.reference import FP8_DTYPE, FP8_MAX, QuantizedQKV, inverse_scale
 from omni_kernels.attention.triton_flash import _bhs_sizes, _bhs_strides
 
 STATS_CHUNK = 2048  # tokens per stats program (Wan 720p: 37 chunks x 40 heads)
@@ -39,7 +40,29 @@ Q_BLOCK = 64
 
 @triton.jit
 def _round_half_away(x):
-    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)  # float -> int truncates
+    """Round to nearest, ties away from zero, as int8 (``|x| <= 127.5``).
+
+    Not ``trunc(x + 0.5)``: the compiler fuses the product that made ``x`` into
+    that add (an fma, one rounding instead of two), which breaks exact ties.
+    ``fabs`` stops the fusion, and ``ax - floor(ax)`` is exact.
+    """
+    ax = tl.abs(x)
+    n = tl.floor(ax)
+    n = tl.where(ax - n >= 0.5, n + 1.0, n)
+    return tl.where(x < 0, -n, n).to(tl.int8)
+
+
+@triton.jit
+def _inverse_scale(amax, top: tl.constexpr):
+    """``top / amax`` correctly rounded (as the reference's tensor division), 0 where amax is 0.
+
+    Triton's float32 ``/`` is ``div.full.f32`` (up to 2 ulp off): at a tie
+    (``x * inv`` exactly ``n + 0.5``, common with float16/bfloat16 inputs) one
+    ulp flips an INT8 code, and a flipped code in an outlier channel of Q moves
+    the whole row's scores (its log-sum-exp by ~1e-2).
+    """
+    safe = tl.where(amax > 0, amax, 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(safe * 0.0 + top, safe), 0.0)
 
 
 @triton.jit
@@ -93,14 +116,15 @@ def _kv_stats_kernel(
 
 @triton.jit
 def _q_quant_kernel(
-    Q, Q8, QS,
+    Q, Q8, QS, KMEAN, QKMEAN,
     stride_qb, stride_qh, stride_qm,
-    num_heads, seq_q,
+    num_heads, num_kv_heads, seq_q,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
+    kv_bh = b * num_kv_heads + h // (num_heads // num_kv_heads)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < seq_q
@@ -109,11 +133,14 @@ def _q_quant_kernel(
         mask=ok[:, None], other=0.0,
     ).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    inv = _inverse_scale(amax, 127.0)
     q8 = _round_half_away(x * inv[:, None])
     row64 = bh.to(tl.int64) * seq_q + rows
     tl.store(Q8 + row64[:, None] * HEAD_DIM + offs_d[None, :], q8, mask=ok[:, None])
-    tl.store(QS + row64, amax / 127.0, mask=ok)
+    tl.store(QS + row64, tl.math.div_rn(amax, amax * 0.0 + 127.0), mask=ok)
+    # q . k_mean from the unquantized q: the LSE's share that K's smoothing took out
+    k_mean = tl.load(KMEAN + kv_bh * HEAD_DIM + offs_d)
+    tl.store(QKMEAN + row64, tl.sum(x * k_mean[None, :], 1), mask=ok)
 
 
 @triton.jit
@@ -142,10 +169,10 @@ def _kv_quant_kernel(
     kmean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
     kc = tl.where(ok, k - kmean[None, :], 0.0)  # padding rows stay 0
     amax = tl.max(tl.max(tl.abs(kc), 1), 0)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    inv = _inverse_scale(amax, 127.0)
     k8 = _round_half_away(kc * inv)
     tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
-    tl.store(KS + bh64 * num_blocks + blk, amax / 127.0)
+    tl.store(KS + bh64 * num_blocks + blk, tl.math.div_rn(amax, amax * 0.0 + 127.0))
     # ---- V: per-channel FP8 scale, stored transposed [D, Skv_pad]
     v = tl.load(V + b * stride_vb + h * stride_vh + rows64 * stride_vn + offs_d[None, :],
                 mask=ok, other=0.0).to(tl.float32)
@@ -207,14 +234,16 @@ def quantize_qkv(
     )
     k_mean = (ksum.sum(dim=1).reshape(batch, hkv, d) / _key_counts(key_lengths, batch, skv, device))
     v_amax = vmax.amax(dim=1).reshape(batch, hkv, d)
-    v_inv = torch.where(v_amax > 0, 448.0 / torch.where(v_amax > 0, v_amax, 1.0), 0.0)
+    v_inv = inverse_scale(v_amax, FP8_MAX)
 
     q_int8 = torch.empty((batch, hq, sq, d), dtype=torch.int8, device=device)
     q_scale = torch.empty((batch, hq, sq), dtype=torch.float32, device=device)
     sqb, sqh, sqm = _bhs_strides(q, layout)
     q_block = 16 if emulate else Q_BLOCK
+    q_kmean = torch.empty_like(q_scale)
     _q_quant_kernel[(triton.cdiv(sq, q_block), batch * hq)](
-        q, q_int8, q_scale, sqb, sqh, sqm, hq, sq, HEAD_DIM=d, BLOCK=q_block, num_warps=4,
+        q, q_int8, q_scale, k_mean, q_kmean, sqb, sqh, sqm, hq, hkv, sq,
+        HEAD_DIM=d, BLOCK=q_block, num_warps=4,
     )
 
     k_int8 = torch.empty((batch, hkv, skv_pad, d), dtype=torch.int8, device=device)
@@ -227,7 +256,8 @@ def quantize_qkv(
         HEAD_DIM=d, BLOCK_N=block_n, EMULATE_FP8=emulate,
         HAS_KEY_LENGTHS=key_lengths is not None, num_warps=8 if block_n >= 128 else 4,
     )
-    return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_amax / 448.0, skv, block_n)
+    v_scale = v_amax / torch.full_like(v_amax, FP8_MAX)  # tensor / tensor: correctly rounded on CUDA
+    return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_scale, skv, block_n, q_kmean)
 
 
 __all__ = ["fp8_convert", "quantize_qkv"]

@@ -33,7 +33,16 @@ depends on each block's running max, so a one-shot softmax would differ):
   added to the running accumulator (two-level accumulation: Hopper's FP8 MMA
   keeps only ~14 bits of its own accumulator, so it never sums across blocks);
 * ``out = acc * v_scale / l`` with ``l`` the sum of the (unrounded) ``p``;
-  ``lse = (m + log2(l)) * ln(2)``; rows with no valid key give 0 and ``-inf``.
+  ``lse = (m + log2(l)) * ln(2) + scale * q_kmean`` with ``q_kmean = q . k_mean``
+  of the unquantized q (float32, from the Q quantization pass): the natural-log
+  log-sum-exp of the scores *with* K's mean, which the smoothing subtracted.
+  So LSEs of attention over different key shards, each smoothed by its own
+  mean, combine as unquantized ones do (ring attention), and the mean's large
+  term carries no INT8 error; rows with no valid key give 0 and ``-inf``.
+
+Every division is correctly rounded (``top / amax`` as tensor by tensor), as
+the kernels compute it with ``div_rn``: INT8 codes of float16/bfloat16 inputs
+often sit exactly on a rounding tie.
 """
 
 from __future__ import annotations
@@ -61,9 +70,22 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
 
 
-def _inverse_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """``top / amax``, and 0 where ``amax`` is 0 (so an all-zero group stays 0)."""
-    return torch.where(amax > 0, top / torch.where(amax > 0, amax, 1.0), 0.0)
+def _divide(x: torch.Tensor, top: float) -> torch.Tensor:
+    """``x / top``, correctly rounded: tensor by tensor (on CUDA, dividing by a
+    Python scalar multiplies by its rounded reciprocal, one ulp off at times)."""
+    return x / torch.full_like(x, top)
+
+
+def inverse_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """``top / amax`` correctly rounded, and 0 where ``amax`` is 0 (an all-zero group stays 0).
+
+    Correct rounding matters: ``x * inverse_scale`` often lands exactly on a
+    ``n + 0.5`` tie with float16/bfloat16 inputs, and a one-ulp different
+    quotient flips the INT8 code there. (``top / tensor`` in PyTorch is
+    ``tensor.reciprocal() * top``: two roundings.)
+    """
+    safe = torch.where(amax > 0, amax, 1.0)
+    return torch.where(amax > 0, torch.full_like(safe, top) / safe, 0.0)
 
 
 @dataclasses.dataclass
@@ -76,6 +98,8 @@ class QuantizedQKV:
         k_int8: int8 ``[B, Hkv, Skv_pad, D]`` of the *smoothed* keys; rows ``>= Skv`` are 0.
         k_scale: float32 ``[B, Hkv, Skv_pad // block_n]``, one per key block.
         k_mean: float32 ``[B, Hkv, D]``: the subtracted mean of the keys over tokens.
+        q_kmean: float32 ``[B, Hq, Sq]``: ``q . k_mean`` of the *unquantized* q
+            (its kv head's mean): what the smoothing took out of row i's scores.
         v_fp8: float8_e4m3fn ``[B, Hkv, D, Skv_pad]`` (transposed); columns ``>= Skv`` are 0.
         v_scale: float32 ``[B, Hkv, D]``: ``v ~ v_fp8^T * v_scale``.
         seq_kv: the true key count ``Skv``.
@@ -91,6 +115,7 @@ class QuantizedQKV:
     v_scale: torch.Tensor
     seq_kv: int
     block_n: int
+    q_kmean: torch.Tensor
 
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:
@@ -129,25 +154,26 @@ def quantize_qkv_reference(
     pad = nblk * block_n - skv
 
     q_amax = qb.abs().amax(dim=-1)
-    q_int8 = round_half_away(qb * _inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
-    q_scale = q_amax / INT8_MAX
+    q_int8 = round_half_away(qb * inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
+    q_scale = _divide(q_amax, INT8_MAX)
 
     k_mean = kb.sum(dim=2) / count[:, None, None]
     kc = torch.nn.functional.pad((kb - k_mean[:, :, None]) * valid, (0, 0, 0, pad))
     blocks = kc.reshape(batch, hkv, nblk, block_n, d)
     k_amax = blocks.abs().amax(dim=(-1, -2))
-    k_int8 = round_half_away(blocks * _inverse_scale(k_amax, INT8_MAX)[..., None, None])
+    k_int8 = round_half_away(blocks * inverse_scale(k_amax, INT8_MAX)[..., None, None])
     k_int8 = k_int8.to(torch.int8).reshape(batch, hkv, nblk * block_n, d)
-    k_scale = k_amax / INT8_MAX
+    k_scale = _divide(k_amax, INT8_MAX)
 
     v_amax = vb.abs().amax(dim=2)
-    v_scaled = vb * _inverse_scale(v_amax, FP8_MAX)[:, :, None]
+    v_scaled = vb * inverse_scale(v_amax, FP8_MAX)[:, :, None]
     v_fp8 = torch.nn.functional.pad(v_scaled.clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, pad))
     v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2).contiguous()
-    v_scale = v_amax / FP8_MAX
+    v_scale = _divide(v_amax, FP8_MAX)
+    q_kmean = (qb * k_mean.repeat_interleave(qb.shape[1] // hkv, dim=1)[:, :, None, :]).sum(dim=-1)
     return QuantizedQKV(
         q_int8.contiguous(), q_scale.contiguous(), k_int8.contiguous(), k_scale.contiguous(),
-        k_mean.contiguous(), v_fp8, v_scale.contiguous(), skv, block_n,
+        k_mean.contiguous(), v_fp8, v_scale.contiguous(), skv, block_n, q_kmean.contiguous(),
     )
 
 
@@ -212,7 +238,9 @@ def quantized_attention_reference(
     out = acc * vs[:, :, None, :] / safe[..., None]
     if not return_lse:
         return out
-    lse = torch.where(has, (m + torch.log2(safe)) * math.log(2.0), float("-inf"))
+    # K's mean was subtracted before the scores, shifting row i's log-sum-exp
+    # by scale * q_i . k_mean (softmax does not see it, an LSE does): add it back
+    lse = torch.where(has, (m + torch.log2(safe)) * math.log(2.0) + qkv.q_kmean * scale, float("-inf"))
     return out, lse
 
 
@@ -268,6 +296,7 @@ __all__ = [
     "dequantize_qkv",
     "dit_like_qkv",
     "fp8_round",
+    "inverse_scale",
     "quantize_qkv_reference",
     "quantized_attention_reference",
     "round_half_away",
