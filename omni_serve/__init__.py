@@ -10,11 +10,14 @@ It calls ``omni_diffusion``; nothing below it imports this package.
 * ``GET /v1/models``; ``POST /v1/images/generations`` (``stream: true`` for server-sent
   events with per-step progress, then the result);
 * ``POST /v1/videos`` (asynchronous job), ``GET /v1/videos/{id}``,
-  ``GET /v1/videos/{id}/content`` (animated PNG), ``DELETE /v1/videos/{id}`` (cancels);
+  ``GET /v1/videos/{id}/content`` (MP4; ``?format=apng|frames``, ``?variant=thumbnail``),
+  ``DELETE /v1/videos/{id}`` (cancels);
 * ``GET /v1/files/{name}``: ``response_format="url"`` results (random names, time limit).
 
 Modules: :mod:`~omni_serve.app` (the app factory), :mod:`~omni_serve.engine` (bounded
-queue, jobs, worker supervision), :mod:`~omni_serve.worker` (the model process),
+queue, jobs, batch dispatch to replicas, worker supervision), :mod:`~omni_serve.batching`
+(which requests share a pipeline call; replica placement), :mod:`~omni_serve.worker` (the
+model process), :mod:`~omni_serve.media` (MP4/APNG encoding),
 :mod:`~omni_serve.schemas` (request bounds, error bodies), :mod:`~omni_serve.metrics`,
 :mod:`~omni_serve.playground`.
 """

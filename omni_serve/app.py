@@ -361,6 +361,13 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                 data.append({"b64_json": base64.b64encode(png).decode()})
         return {"created": int(job.created), "data": data}
 
+    def server_timing(job: Job) -> str:
+        """``queue`` (submitted to the start of its pipeline call) and ``engine`` (the
+        pipeline call), in ms: what a client can subtract to see the server's own overhead."""
+        queued = max(0.0, (job.started or job.created) - job.created)
+        engine_s = (job.result or {}).get("engine_seconds", 0.0)
+        return f"queue;dur={queued * 1000:.2f}, engine;dur={engine_s * 1000:.2f}"
+
     # ------------------------------------------------------------------ images
 
     @app.post("/v1/images/generations", dependencies=[Depends(authorize)])
@@ -389,7 +396,8 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
             raise job_error(job)
         payload = await asyncio.to_thread(image_payload, job, request, req.response_format)
         engine.forget(job.id)
-        return JSONResponse(payload, headers={"X-Request-Id": job.id})
+        return JSONResponse(payload, headers={"X-Request-Id": job.id,
+                                              "Server-Timing": server_timing(job)})
 
     async def _sse(engine: Engine, job: Job, request: Request, response_format: str):
         finished = False

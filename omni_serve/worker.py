@@ -197,8 +197,10 @@ class _BatchRunner:
         try:
             kwargs = _call_kwargs(self.pipe, self.kind, batch, od.step_callback(progress),
                                   self.defaults)
+            start = time.perf_counter()
             with torch.inference_mode():
                 out = self.pipe(**kwargs)
+            seconds = time.perf_counter() - start  # the pipeline call alone (Server-Timing)
             rows = _outputs(out, self.kind)
         except _Cancelled:
             for job_id in ids:
@@ -225,9 +227,10 @@ class _BatchRunner:
             if job_id in self.cancelled:
                 self.events.put(("cancelled", job_id))
             elif self.kind == "image":
-                self.events.put(("done", job_id, {"images": [r["images"][0] for r in mine]}))
+                self.events.put(("done", job_id, {"images": [r["images"][0] for r in mine],
+                                                  "engine_seconds": seconds}))
             else:
-                self.events.put(("done", job_id, mine[0]))
+                self.events.put(("done", job_id, {**mine[0], "engine_seconds": seconds}))
 
 
 def run_worker(model: str | None, accel: dict | None, device: str, dtype_name: str,

@@ -36,6 +36,8 @@ def test_generate_b64_and_url(server):
     assert r.status_code == 200, r.text
     images = [_image(d["b64_json"]) for d in r.json()["data"]]
     assert len(images) == 2 and all(im.size == (32, 48) for im in images)
+    timing = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    assert float(timing["engine"]) > 0 and float(timing["queue"]) >= 0
     r = httpx.post(server.url + GEN, json={"prompt": "a red fox", "num_inference_steps": 2,
                                            "response_format": "url", "negative_prompt": "blur"},
                    timeout=60)
