@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
     env["cpu_count"] = os.cpu_count()
     results = {}
     for label, max_batch in (("batched", 8), ("one_at_a_time", 1)):
-        results[label] = asyncio.run(run_mode(args, max_batch, out / f".serve_{label}.log"))
+        log = Path(tempfile.gettempdir()) / f"omni-bench-serve-{os.getpid()}-{label}.log"
+        results[label] = asyncio.run(run_mode(args, max_batch, log))
         print(label, json.dumps(results[label]), flush=True)
     speedup = results["batched"]["concurrent"]["throughput_rps"] / \
         max(1e-9, results["one_at_a_time"]["concurrent"]["throughput_rps"])
@@ -264,6 +266,10 @@ def main(argv=None) -> int:
         f"**{overhead:.2f} ms** (target <= 5 ms)",
         f"- every request answered once, with its own id and image, and counted once by the "
         f"server: **{intact}**",
+        "",
+        "The machine's cores are shared with other jobs, so throughputs move between runs; "
+        "`-dirty` in the commit means tracked files outside this benchmark had uncommitted "
+        "changes in the working tree.",
     ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
