@@ -286,3 +286,43 @@ def test_a_bad_job_in_a_batch_fails_alone(tiny_flux):
     assert bad[2] == "server_error" and "cannot draw boom" in bad[3]
     assert [e[1] for e in events if e[0] == "batch"] == [["ok1", "bad", "ok2"], ["ok1"], ["bad"],
                                                          ["ok2"]]
+
+
+class _CancelAt(queue.Queue):
+    """A control queue that hands the worker ``job_id`` at its ``at``-th look."""
+
+    def __init__(self, job_id: str, at: int) -> None:
+        super().__init__()
+        self.job_id, self.at, self.looks = job_id, at, 0
+
+    def get_nowait(self):
+        self.looks += 1
+        if self.looks == self.at:
+            return self.job_id
+        raise queue.Empty
+
+
+@pytest.mark.parametrize("cancel", ["one", "all"])
+def test_cancel_inside_a_batch(tiny_flux, cancel):
+    """Cancelling one job of a running batch leaves the others running (and answered);
+    cancelling every job stops the call at the next step."""
+    from omni_serve.worker import _BatchRunner
+
+    events = queue.Queue()
+    batch = [("a", "image", _job("a", seed=1, num_inference_steps=4).params),
+             ("b", "image", _job("b", seed=2, num_inference_steps=4).params)]
+    control = _CancelAt("a", at=2)  # the first look is before the call, the second after step 1
+    runner = _BatchRunner(tiny_flux, "image", None, control, events)
+    if cancel == "all":
+        runner.cancelled.add("b")
+    runner.run(batch)
+    got = []
+    while not events.empty():
+        got.append(events.get())
+    final = {e[1]: e[0] for e in got if e[0] in ("done", "cancelled", "error")}
+    steps = [e[2] for e in got if e[0] == "progress"]
+    if cancel == "one":
+        assert final == {"a": "cancelled", "b": "done"} and steps == [1, 2, 3, 4]
+        assert [e[1] for e in got if e[0] == "progress"][1:] == [["b"]] * 3
+    else:
+        assert final == {"a": "cancelled", "b": "cancelled"} and steps == [1]
