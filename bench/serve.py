@@ -1,4 +1,4 @@
-"""omni-serve under concurrent clients, on loopback, with the embedded model on the CPU.
+"""omni-serve under concurrent clients, on loopback, with the embedded model on the CPU (or a GPU).
 
 For each mode, batched (``--max-batch 8``) and one-at-a-time (``--max-batch 1``), it
 starts ``omni-serve`` on 127.0.0.1 and a free port, warms it up, then:
@@ -57,7 +57,7 @@ class Server:
         cmd = [sys.executable, "-m", "omni_serve.cli", *([args.model] if args.model else []),
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                "--attention", args.attention, "--max-batch", str(max_batch),
-               "--max-queue", str(4 * args.clients), "--device", "cpu"]
+               "--max-queue", str(4 * args.clients), "--device", args.device]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
         env.pop("TRITON_INTERPRET", None)
         self.log = open(log, "wb")
@@ -205,6 +205,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--attention", default="none")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the server's worker runs (the clients stay on loopback)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per concurrent phase")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO_ROOT / "bench" / "results"))
@@ -235,15 +237,18 @@ def main(argv=None) -> int:
                  and lg["server_jobs_completed"] == lg["sent"] for lg in ledgers)
     summary = dict(batched_speedup=speedup, speedup_target=1.5, overhead_ms_p50=overhead,
                    overhead_target_ms=5.0, no_request_lost_or_duplicated=intact)
-    stem = out / f"serve_cpu_{time.strftime('%Y%m%d')}"
+    where = "cpu" if args.device == "cpu" else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    stem = out / f"serve_{where}_{time.strftime('%Y%m%d')}"
     stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, args=vars(args),
                                                          summary=summary, results=results),
                                                     indent=2))
     lines = [
-        "# omni-serve on the CPU: embedded model over loopback",
+        f"# omni-serve on {'the CPU' if args.device == 'cpu' else env['device']}: embedded model "
+        "over loopback",
         "",
-        f"commit `{env['git_commit']}`, torch {env['torch']}, python {env['python']}, "
-        f"{env['cpu_count']} CPU cores (shared), server OMP_NUM_THREADS={args.threads}, "
+        f"commit `{env['git_commit']}`, torch {env['torch']}, python {env['python']}, device "
+        f"{args.device} ({env['device']}), {env['cpu_count']} CPU cores, server "
+        f"OMP_NUM_THREADS={args.threads}, "
         f"{args.steps} denoising steps per 32x32 request.",
         "",
         f"Command: `{env['command']}`",

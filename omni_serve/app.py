@@ -270,7 +270,8 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
     async def ready():
         workers = [{"model": name_of(e), "kind": e.kind, "ready": e.ready,
                     "queue_depth": e.queue_depth, "worker_pid": e.worker_pid,
-                    "worker_pids": e.worker_pids, "max_batch": e.max_batch, "error": e.fatal}
+                    "worker_pids": e.worker_pids, "replicas": e.replica_status,
+                    "max_batch": e.max_batch, "error": e.fatal}
                    for e in engines]
         ok = all(e.ready for e in engines)
         body = {"status": "ready" if ok else "not_ready", "workers": workers,

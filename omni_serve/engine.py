@@ -90,6 +90,7 @@ class _Replica:
     thread: threading.Thread | None = None
     ready: bool = False
     running: list[str] = dataclasses.field(default_factory=list)
+    info: dict[str, Any] | None = None  # the worker's "ready" report
 
 
 class Engine:
@@ -217,6 +218,14 @@ class Engine:
         return None if proc is None else proc.pid
 
     @property
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Per replica: its worker's pid, readiness, device group and the GPUs it sees."""
+        return [{"replica": r.index, "pid": None if r.proc is None else r.proc.pid,
+                 "ready": r.ready, "devices": r.devices, "running": len(r.running),
+                 "visible_devices": (r.info or {}).get("visible_devices"),
+                 "gpus": (r.info or {}).get("gpus", [])} for r in self.replicas]
+
+    @property
     def worker_pids(self) -> list[int | None]:
         return [None if r.proc is None else r.proc.pid for r in self.replicas]
 
@@ -326,6 +335,7 @@ class Engine:
         rep = self.replicas[replica]
         if what == "ready":
             self.info = message[1]
+            rep.info = message[1]
             self.kind = self.info.get("kind", self.kind)
             rep.ready = True
             self.ready = True

@@ -266,7 +266,10 @@ def run_worker(model: str | None, accel: dict | None, device: str, dtype_name: s
         from omni_diffusion.embedded import CALL_KWARGS
 
         defaults = CALL_KWARGS[kind]
-    events.put(("ready", {"kind": kind, "pipeline": type(pipe).__name__}))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if device.startswith("cuda") else []
+    events.put(("ready", {"kind": kind, "pipeline": type(pipe).__name__,
+                          "visible_devices": visible_devices, "gpus": gpus}))
     runner = _BatchRunner(pipe, kind, defaults, control, events)
     while True:
         message = jobs.get()

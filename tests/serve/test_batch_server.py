@@ -54,6 +54,9 @@ def test_two_replicas_are_up(batch_server):
     ready = httpx.get(batch_server.url + "/health/ready").json()
     pids = ready["workers"][0]["worker_pids"]
     assert len(pids) == 2 and len(set(pids)) == 2 and ready["workers"][0]["max_batch"] == 4
+    replicas = ready["workers"][0]["replicas"]
+    assert [(r["replica"], r["devices"], r["ready"], r["gpus"]) for r in replicas] == \
+        [(0, None, True, []), (1, None, True, [])]  # CPU workers: no device group
 
 
 def test_concurrent_compatible_requests_run_as_one_call(batch_server):
