@@ -249,7 +249,9 @@ class Engine:
         if self.fatal:
             raise EngineError(f"the model worker failed: {self.fatal}")
         waiting = self.queue_depth
-        if waiting >= self.max_queue and not self._idle_replicas():
+        # free replicas take up to max_batch images each at once (inside a batching window,
+        # jobs wait for them); beyond that, max_queue may wait
+        if waiting >= self.max_queue + self.max_batch * len(self._idle_replicas()):
             per_call = self._job_seconds / max(1, len(self.replicas))
             raise QueueFull(max(1, math.ceil(per_call * (1 + waiting / self.max_batch))))
         job = Job(id=f"{prefix}_{secrets.token_hex(12)}", kind=kind, params=params)

@@ -162,6 +162,18 @@ def test_engine_spreads_batches_over_replicas_and_a_dead_one_fails_only_its_jobs
     asyncio.run(main())
 
 
+def test_engine_queue_bound_inside_a_batching_window():
+    async def main():
+        engine = _engine(max_queue=1, max_batch=2, batch_wait_s=5.0)
+        engine._loop = asyncio.get_running_loop()
+        for _ in range(3):  # two for the free worker's window, one waiting beyond it
+            engine.submit("image", _job().params)
+        with pytest.raises(QueueFull):
+            engine.submit("image", _job().params)
+        engine._wakeup.cancel()
+    asyncio.run(main())
+
+
 def test_engine_queue_full_counts_waiting_jobs_only():
     async def main():
         engine = _engine(max_queue=1, max_batch=4)
