@@ -10,9 +10,10 @@
    measured 4.3 TB/s copy rate is printed beside it (target >= 80%).
 2. **Spatial decode at world size 1**: a Wan2.1-shaped ``AutoencoderKLWan`` (random weights, the
    real widths) decoding 480p and 720p latents, diffusers' ``decode`` against the same VAE after
-   ``parallelize_vae(vae, group, "spatial")`` on a one-rank NCCL group (the persistent
-   pre-padded-buffer path, no communication): time (median of ``--repeats``), peak memory, and
-   the largest difference of the outputs.
+   ``parallelize_vae(vae, group, "spatial")`` on a one-rank NCCL group (causal convs assemble
+   cached frames + input + zero halo rows into one pre-padded buffer with ``halo_assemble``, no
+   communication): time (median of ``--repeats``), peak memory, and the largest difference of
+   the outputs. ``--frames 21`` keeps the run short (about a minute in all on an H200).
 
 Output: ``<out-dir>/halo_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is printed last.
 

@@ -5,8 +5,9 @@
 
 * convolutions (``nn.Conv2d``, ``nn.Conv3d``, the cached causal ``Conv3d`` of Wan/Qwen-Image,
   HunyuanVideo's padding causal conv): their halo follows from kernel height, dilation and
-  padding (:mod:`.halo_exchange`); the input is assembled in a persistent pre-padded buffer and
-  the convolution runs with no padding along the height;
+  padding (:mod:`.halo_exchange`); the input (with a causal conv's cached frames) is assembled
+  in one pre-padded buffer (:meth:`.ShardContext.conv_input`) and the convolution runs with no
+  padding along the height; on one rank a plain convolution pads by itself;
 * ``nn.GroupNorm``: exact, from one fp32 all-reduce of ``[count, sum x, sum x^2]`` per group;
 * attention (global-context layers): the map is gathered, the layer runs on all of it, and each
   rank keeps its own rows;
@@ -109,12 +110,13 @@ def _wrap_plain_conv(state: SpatialDecoder, name: str, conv: nn.Module) -> int:
     ctx = state.ctx
 
     def forward(self, x):
-        if not ctx.active:
+        # One rank: both edges are the image's, zero-padded by the convolution itself (no copy).
+        if not ctx.active or ctx.world == 1:
             return original(x)
         shape = list(x.shape)
         shape[SHARD_DIM] += lo + hi
-        buf = ctx.buffer("conv_in", tuple(shape), x)
-        exchange_halo(ctx, x, buf, lo, hi, HALO_ZERO)
+        buf = ctx.conv_input(tuple(shape), x)
+        exchange_halo(ctx, [(x, buf)], lo, hi, HALO_ZERO)
         return conv_fn(buf, self.weight, self.bias, self.stride, local_padding, self.dilation,
                        self.groups)
 
@@ -138,16 +140,26 @@ def _wrap_cached_causal_conv(state: SpatialDecoder, name: str, conv: nn.Conv3d) 
         if not ctx.active:
             return original(x, cache_x)
         t_front = self._padding[4]
+        parts = [x]
         if cache_x is not None and t_front > 0:
-            # Cached frames come first in time, as in diffusers; they need halos too.
-            x = torch.cat([cache_x.to(x.device), x], dim=2)
+            # Cached frames come first in time, as in diffusers; they are assembled (with their
+            # halos) straight into the buffer, not concatenated to x first.
+            cache_x = cache_x.to(x.device)
+            parts = [cache_x, x]
             t_front -= cache_x.shape[2]
-        b, c, t, h, w = x.shape
-        # The causal frames are the buffer's first t_front frames, zeroed once at allocation
-        # and never written (the role names t_front so no other shape writes them).
-        buf = ctx.buffer(f"causal_in_t{t_front}", (b, c, t_front + t, lo + h + hi, w), x,
-                         zero=True)
-        exchange_halo(ctx, x, buf[:, :, t_front:], lo, hi, HALO_ZERO)
+        if t_front < 0:
+            raise ValueError(f"{name}: {cache_x.shape[2]} cached frames exceed the causal "
+                             f"padding of {self._padding[4]} frames")
+        b, c, _, h, w = x.shape
+        frames = sum(p.shape[2] for p in parts)
+        buf = ctx.conv_input((b, c, t_front + frames, lo + h + hi, w), x)
+        if t_front:
+            buf[:, :, :t_front].zero_()  # the causal zero frames
+        views, start = [], t_front
+        for p in parts:
+            views.append(buf[:, :, start:start + p.shape[2]])
+            start += p.shape[2]
+        exchange_halo(ctx, list(zip(parts, views)), lo, hi, HALO_ZERO)
         return F.conv3d(buf, self.weight, self.bias, self.stride, (0, 0, w_lo), self.dilation,
                         self.groups)
 
@@ -178,8 +190,8 @@ def _wrap_padding_causal_conv(state: SpatialDecoder, name: str, module: nn.Modul
         x = F.pad(x, (w_lo, w_hi, 0, 0, t_lo, t_hi), mode=self.pad_mode)
         shape = list(x.shape)
         shape[SHARD_DIM] += lo + hi
-        buf = ctx.buffer("conv_in", tuple(shape), x)
-        exchange_halo(ctx, x, buf, lo, hi, edge)
+        buf = ctx.conv_input(tuple(shape), x)
+        exchange_halo(ctx, [(x, buf)], lo, hi, edge)
         return self.conv(buf)
 
     state.patches.bind(module, "forward", forward)
@@ -227,7 +239,7 @@ def _wrap_group_norm(state: SpatialDecoder, norm: nn.GroupNorm) -> None:
     ctx = state.ctx
 
     def forward(self, x):
-        if not ctx.active:
+        if not ctx.active or ctx.world == 1:  # one rank holds the whole map
             return original(x)
         return distributed_group_norm(ctx.group, x, self.num_groups,
                                       self.weight if self.affine else None,
@@ -256,6 +268,8 @@ def _wrap_global_context(state: SpatialDecoder, name: str, module: nn.Module) ->
             out = original(full, *args, **kwargs)
         finally:
             ctx.gathered = False
+        if ctx.world == 1:  # the whole map, no gather and no copy
+            return out
         start = sum(rows[: ctx.rank])
         # A copy, so the gathered map is freed once the layer returns.
         return out.narrow(SHARD_DIM, start, rows[ctx.rank]).clone()

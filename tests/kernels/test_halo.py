@@ -32,8 +32,14 @@ def _backends(device):
     return ["cuda", "triton"] if device == "cuda" else ["triton"]
 
 
-def _run_pack(inputs, rel_err, shape, dtype, device, n_lo, n_hi):
-    x = _strided_x(inputs, shape, dtype, device)
+def _x(inputs, shape, dtype, device, dense):
+    # dense: contiguous x, the CUDA kernels' vectorized path; else a strided view (rows path).
+    return (inputs.activations(shape, dtype, device) if dense
+            else _strided_x(inputs, shape, dtype, device))
+
+
+def _run_pack(inputs, rel_err, shape, dtype, device, n_lo, n_hi, dense=False):
+    x = _x(inputs, shape, dtype, device, dense)
     n, t, h, w = shape
     ref_lo = torch.empty(n, t, n_lo, w, dtype=dtype, device=device)
     ref_hi = torch.empty(n, t, n_hi, w, dtype=dtype, device=device)
@@ -46,25 +52,27 @@ def _run_pack(inputs, rel_err, shape, dtype, device, n_lo, n_hi):
         assert rel_err(lo, x[:, :, :n_lo]) == 0.0
 
 
-def _run_assemble(inputs, shape, dtype, device, lo_rows, hi_rows, modes):
+def _run_assemble(inputs, shape, dtype, device, lo_rows, hi_rows, modes, dense=False):
     n, t, h, w = shape
-    x = _strided_x(inputs, shape, dtype, device)
+    x = _x(inputs, shape, dtype, device, dense)
     recv_lo = inputs.activations((n, t, lo_rows, w), dtype, device)
     recv_hi = inputs.activations((n, t, hi_rows, w), dtype, device)
     ref = torch.empty(n, t, lo_rows + h + hi_rows, w, dtype=torch.float64, device=device)
     halo_assemble_reference(x.double(), recv_lo.double(), recv_hi.double(), ref, lo_rows, hi_rows,
                             *modes)
     for backend in _backends(device):
-        # The output is a view into a pre-padded buffer (2 leading zero frames, width padding),
-        # as the spatial convolution wrappers pass it.
-        buffer = torch.full((n, t + 2, lo_rows + h + hi_rows, w + 2), float("nan"), dtype=dtype,
-                            device=device)
-        out = buffer[:, 2:, :, 1 : w + 1]
+        # The output is a view into a pre-padded buffer (2 leading zero frames, as the causal
+        # conv wrappers pass it; width padding too unless dense).
+        pad_w = 0 if dense else 2
+        buffer = torch.full((n, t + 2, lo_rows + h + hi_rows, w + pad_w), float("nan"),
+                            dtype=dtype, device=device)
+        out = buffer[:, 2:, :, pad_w // 2 : w + pad_w // 2]
         halo_assemble(x, recv_lo, recv_hi, out, lo_rows=lo_rows, hi_rows=hi_rows, lo_mode=modes[0],
                       hi_mode=modes[1], backend=backend)
         assert torch.equal(out.double(), ref), backend
         # Nothing outside the view was written.
-        assert torch.isnan(buffer[:, :2]).all() and torch.isnan(buffer[..., 0]).all()
+        assert torch.isnan(buffer[:, :2]).all()
+        assert dense or torch.isnan(buffer[..., 0]).all()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -105,14 +113,25 @@ def test_bad_arguments_name_the_argument():
         halo_pack(x, torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8), backend="cudnn")
 
 
+def test_assemble_dense_layout(inputs):
+    # The layout the spatial wrappers pass (contiguous x, height-padded buffer view).
+    _run_assemble(inputs, (2, 3, 5, 16), torch.float32, "cpu", 1, 1, (HALO_RECV, HALO_REPLICATE),
+                  dense=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_and_triton_match_reference_on_gpu(inputs, rel_err, dtype):
-    for shape in [*SHAPES, (2, 96, 3, 1280)]:
+    # Strided views take the rows path; contiguous ones the vectorized path: widths with 16-, 8-,
+    # 4- and 2-byte vectors (W = 160, 4, 2, 37 at 2 bytes), a slab longer than one block.
+    for shape, dense in [*[(s, False) for s in SHAPES], ((2, 96, 3, 1280), False),
+                         ((3, 2, 45, 160), True), ((2, 3, 5, 4), True), ((4, 1, 3, 2), True),
+                         ((3, 1, 7, 37), True), ((1, 70000, 2, 8), True)]:
         h = shape[2]
-        _run_pack(inputs, rel_err, shape, dtype, "cuda", n_lo=min(1, h), n_hi=min(2, h))
+        _run_pack(inputs, rel_err, shape, dtype, "cuda", n_lo=min(1, h), n_hi=min(2, h),
+                  dense=dense)
         for modes in MODES:
-            _run_assemble(inputs, shape, dtype, "cuda", 1, 2, modes)
+            _run_assemble(inputs, shape, dtype, "cuda", 1, 2, modes, dense=dense)
 
 
 def _opcheck_args(device):
