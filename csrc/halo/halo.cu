@@ -1,16 +1,19 @@
-// Host side of the halo pack / assemble ops: argument checks, dtype dispatch, launch.
+// Host side of the halo pack / assemble ops: argument checks, path choice (dense vectorized or
+// strided rows, see halo_kernel.cuh), launch.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <limits>
 
 #include "../ops.h"
 #include "halo_kernel.cuh"
 
 namespace {
 
-using omni::halo::kColumnsPerBlock;
-using omni::halo::kThreads;
-using omni::halo::Strides4;
+using namespace omni::halo;
 
 Strides4 strides_of(const torch::Tensor& t) {
   return Strides4{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
@@ -26,10 +29,55 @@ void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& x
   TORCH_CHECK(!contiguous || t.is_contiguous(), name, " must be contiguous");
 }
 
-dim3 grid_for(int64_t rows, int64_t w) {
+// Rows of a slab back to back: column stride 1 and row stride W (a single row may have any).
+bool rows_dense(const torch::Tensor& t) {
+  return (t.size(3) <= 1 || t.stride(3) == 1) && (t.size(2) <= 1 || t.stride(2) == t.size(3));
+}
+
+// The widest vector (16, 8, 4 or 2 bytes, at least one element) that divides the row width,
+// the slab strides and every pointer; 0 when a tensor is not rows-dense or a slab is too long
+// for the kernels' 32-bit in-slab indices (the strided rows path runs then).
+int dense_vector_bytes(std::initializer_list<const torch::Tensor*> tensors, int64_t slab_elems) {
+  const int64_t esize = tensors.begin()[0]->element_size();
+  if (slab_elems * esize / 2 >= std::numeric_limits<int32_t>::max()) return 0;
+  for (const torch::Tensor* t : tensors) {
+    if (!rows_dense(*t)) return 0;
+  }
+  for (int64_t bytes = 16; bytes >= std::max<int64_t>(2, esize); bytes /= 2) {
+    bool ok = (tensors.begin()[0]->size(3) * esize) % bytes == 0;
+    for (const torch::Tensor* t : tensors) {
+      ok = ok && reinterpret_cast<uintptr_t>(t->data_ptr()) % bytes == 0 &&
+           (t->stride(0) * esize) % bytes == 0 && (t->stride(1) * esize) % bytes == 0;
+    }
+    if (ok) return static_cast<int>(bytes);
+  }
+  return 0;
+}
+
+dim3 dense_grid(int64_t vectors_per_slab, int64_t slabs) {
+  return dim3(static_cast<unsigned>((vectors_per_slab + kVectorsPerBlock - 1) / kVectorsPerBlock),
+              static_cast<unsigned>(std::min(slabs, kMaxGridY)));
+}
+
+dim3 rows_grid(int64_t rows, int64_t slabs) {
   TORCH_CHECK(rows < (int64_t{1} << 31), "halo: too many rows for one launch: ", rows);
-  return dim3(static_cast<unsigned>(rows),
-              static_cast<unsigned>((w + kColumnsPerBlock - 1) / kColumnsPerBlock));
+  return dim3(static_cast<unsigned>(rows), static_cast<unsigned>(std::min(slabs, kMaxGridY)));
+}
+
+// Calls fn(vector type tag) for a vector width of `bytes` (16, 8, 4 or 2).
+template <typename Fn>
+void with_vector(int bytes, Fn&& fn) {
+  switch (bytes) {
+    case 16: fn(typename VectorOf<16>::type{}); break;
+    case 8: fn(typename VectorOf<8>::type{}); break;
+    case 4: fn(typename VectorOf<4>::type{}); break;
+    default: fn(typename VectorOf<2>::type{}); break;
+  }
+}
+
+template <typename V>
+const V* as_vectors(const torch::Tensor* t) {
+  return t == nullptr ? nullptr : static_cast<const V*>(t->data_ptr());
 }
 
 }  // namespace
@@ -40,15 +88,32 @@ void halo_pack(const torch::Tensor& x, torch::Tensor& send_lo, torch::Tensor& se
   TORCH_CHECK(n_lo <= x.size(2) && n_hi <= x.size(2), "halo_pack: more halo rows than x has");
   check_rows(send_lo, "send_lo", x, n_lo, true);
   check_rows(send_hi, "send_hi", x, n_hi, true);
-  const int64_t rows = x.size(0) * x.size(1) * (n_lo + n_hi);
-  if (rows == 0 || x.size(3) == 0) return;
+  const int64_t frames = x.size(1), h = x.size(2), w = x.size(3);
+  const int64_t slabs = x.size(0) * frames;
+  if (slabs * (n_lo + n_hi) == 0 || w == 0) return;
   const at::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "halo_pack", [&] {
-    omni::halo::halo_pack_kernel<scalar_t><<<grid_for(rows, x.size(3)), kThreads, 0, stream>>>(
-        x.data_ptr<scalar_t>(), send_lo.data_ptr<scalar_t>(), send_hi.data_ptr<scalar_t>(),
-        x.size(1), x.size(2), x.size(3), n_lo, n_hi, strides_of(x));
-  });
+  const int bytes = dense_vector_bytes({&x, &send_lo, &send_hi}, h * w);
+  if (bytes != 0) {
+    const int64_t per = x.element_size();
+    with_vector(bytes, [&](auto tag) {
+      using V = decltype(tag);
+      const int64_t k = bytes / per;  // elements per vector
+      const int64_t row = w / k;
+      const DensePack args{x.stride(0) / k, x.stride(1) / k, slabs, static_cast<int>(frames),
+                           static_cast<int>(n_lo * row), static_cast<int>((n_lo + n_hi) * row),
+                           static_cast<int>((h - n_hi) * row)};
+      halo_pack_dense_kernel<V><<<dense_grid(args.total, slabs), kDenseThreads, 0, stream>>>(
+          static_cast<const V*>(x.data_ptr()), static_cast<V*>(send_lo.data_ptr()),
+          static_cast<V*>(send_hi.data_ptr()), args);
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "halo_pack", [&] {
+      halo_pack_rows_kernel<scalar_t><<<rows_grid(n_lo + n_hi, slabs), kRowThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), send_lo.data_ptr<scalar_t>(), send_hi.data_ptr<scalar_t>(),
+          frames, slabs, h, w, n_lo, n_hi, strides_of(x));
+    });
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -61,26 +126,50 @@ void halo_assemble(const torch::Tensor& x, const std::optional<torch::Tensor>& r
   TORCH_CHECK(lo_mode >= 0 && lo_mode <= 2 && hi_mode >= 0 && hi_mode <= 2,
               "halo_assemble: modes must be 0 (recv), 1 (zero) or 2 (replicate)");
   check_rows(out, "out", x, lo_rows + x.size(2) + hi_rows, false);
-  const bool lo_recv = lo_mode == omni::halo::kRecv && lo_rows > 0;
-  const bool hi_recv = hi_mode == omni::halo::kRecv && hi_rows > 0;
+  const bool lo_recv = lo_mode == kRecv && lo_rows > 0;
+  const bool hi_recv = hi_mode == kRecv && hi_rows > 0;
   TORCH_CHECK(!lo_recv || recv_lo.has_value(), "halo_assemble: recv_lo is required in recv mode");
   TORCH_CHECK(!hi_recv || recv_hi.has_value(), "halo_assemble: recv_hi is required in recv mode");
   if (lo_recv) check_rows(*recv_lo, "recv_lo", x, lo_rows, true);
   if (hi_recv) check_rows(*recv_hi, "recv_hi", x, hi_rows, true);
-  TORCH_CHECK(x.size(2) > 0 || (lo_mode != omni::halo::kReplicate &&
-                                hi_mode != omni::halo::kReplicate),
+  TORCH_CHECK(x.size(2) > 0 || (lo_mode != kReplicate && hi_mode != kReplicate),
               "halo_assemble: replicate mode needs at least one row of x");
-  const int64_t rows = x.size(0) * x.size(1) * (lo_rows + x.size(2) + hi_rows);
-  if (rows == 0 || x.size(3) == 0) return;
+  const int64_t frames = x.size(1), h = x.size(2), w = x.size(3);
+  const int64_t slabs = x.size(0) * frames;
+  const int64_t rows = lo_rows + h + hi_rows;
+  if (slabs * rows == 0 || w == 0) return;
   const at::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "halo_assemble", [&] {
-    omni::halo::halo_assemble_kernel<scalar_t><<<grid_for(rows, x.size(3)), kThreads, 0,
-                                                  stream>>>(
-        x.data_ptr<scalar_t>(), lo_recv ? recv_lo->data_ptr<scalar_t>() : nullptr,
-        hi_recv ? recv_hi->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), x.size(1),
-        x.size(2), x.size(3), lo_rows, hi_rows, strides_of(x), strides_of(out),
-        static_cast<int>(lo_mode), static_cast<int>(hi_mode));
-  });
+  const torch::Tensor* lo_t = lo_recv ? &*recv_lo : nullptr;
+  const torch::Tensor* hi_t = hi_recv ? &*recv_hi : nullptr;
+  // The dense path checks the received buffers only when they are read.
+  const int bytes = lo_t && hi_t ? dense_vector_bytes({&x, &out, lo_t, hi_t}, rows * w)
+                    : lo_t       ? dense_vector_bytes({&x, &out, lo_t}, rows * w)
+                    : hi_t       ? dense_vector_bytes({&x, &out, hi_t}, rows * w)
+                                 : dense_vector_bytes({&x, &out}, rows * w);
+  if (bytes != 0) {
+    const int64_t k = bytes / x.element_size();  // elements per vector
+    const int64_t row = w / k;
+    const DenseAssemble args{x.stride(0) / k, x.stride(1) / k, out.stride(0) / k,
+                             out.stride(1) / k, slabs, static_cast<int>(frames),
+                             static_cast<int>(lo_rows * row), static_cast<int>((lo_rows + h) * row),
+                             static_cast<int>(rows * row), static_cast<int>(row),
+                             static_cast<int>(h), static_cast<int>(lo_mode),
+                             static_cast<int>(hi_mode)};
+    with_vector(bytes, [&](auto tag) {
+      using V = decltype(tag);
+      halo_assemble_dense_kernel<V><<<dense_grid(args.total, slabs), kDenseThreads, 0, stream>>>(
+          static_cast<const V*>(x.data_ptr()), as_vectors<V>(lo_t), as_vectors<V>(hi_t),
+          static_cast<V*>(out.data_ptr()), args);
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "halo_assemble", [&] {
+      halo_assemble_rows_kernel<scalar_t><<<rows_grid(rows, slabs), kRowThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), lo_t ? lo_t->data_ptr<scalar_t>() : nullptr,
+          hi_t ? hi_t->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), frames, slabs, h,
+          w, lo_rows, hi_rows, strides_of(x), strides_of(out), static_cast<int>(lo_mode),
+          static_cast<int>(hi_mode));
+    });
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
