@@ -33,7 +33,7 @@ build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_
 	find csrc -type f -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0r sha256sum; } \
 	| sha256sum | cut -d' ' -f1
 
-.PHONY: venv vllm-venv build test serve test-gpu bench-gpu lint clean distclean
+.PHONY: browser venv vllm-venv build test serve test-gpu bench-gpu lint clean distclean
 
 ## venv: $(VENV) with torch $(TORCH_VERSION) and the build tools.
 venv: $(VENV_STAMP)
@@ -87,7 +87,16 @@ build: venv
 	fi
 
 ## test: build, check the packages import with the extension, run the CPU tests.
-test: build vllm-venv
+## browser: headless Chromium for the playground test (Debian's package; needs root and apt).
+## The test skips, naming the reason, when it is not installed.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+	      || echo "make browser: installing chromium with apt-get failed; the playground browser test will skip"; \
+	  else echo "make browser: not root or no apt-get; the playground browser test will skip"; fi; }
+
+test: build vllm-venv browser
 	$(VPY) -c "import omni_kernels, omni_diffusion, omni_serve; \
 	from omni_kernels._extension import compiled_extension_error as e; \
 	assert omni_kernels.has_compiled_extension(), e()"
