@@ -8,6 +8,13 @@ score with ``python -m omni_diffusion.embedded.evaluate``.
 
 Call it with ``max_sequence_length=32`` (:data:`IMAGE_CALL_KWARGS`): it was trained with the
 prompts padded to 32 tokens, and FluxPipeline's default (512) pads the T5 sequence far longer.
+
+``"video"``: a WanPipeline (``models/digits-video``: AutoencoderKLWan, WanTransformer3DModel,
+UMT5 text encoder) trained on the same digits crossing the frame:
+``pipe("a handwritten digit three moving right", **VIDEO_CALL_KWARGS)`` makes 9 frames of 32x32
+(:data:`VIDEO_CALL_KWARGS`: WanPipeline's defaults are 81 frames and 512 prompt tokens).
+Retrain with ``python -m omni_diffusion.embedded.train --kind video``; score with
+``python -m omni_diffusion.embedded.evaluate --kind video``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ _PIPELINES = {"image": "FluxPipeline", "video": "WanPipeline"}
 
 #: call arguments the image model was trained for (height/width 32, T5 prompt length 32)
 IMAGE_CALL_KWARGS = dict(height=32, width=32, max_sequence_length=32)
+#: call arguments the video model was trained for (9 frames of 32x32, UMT5 prompt length 48)
+VIDEO_CALL_KWARGS = dict(height=32, width=32, num_frames=9, max_sequence_length=48)
+#: the call arguments of each kind
+CALL_KWARGS = {"image": IMAGE_CALL_KWARGS, "video": VIDEO_CALL_KWARGS}
 
 
 def embedded_pipeline_path(kind: str = "image") -> Path:
@@ -48,4 +59,5 @@ def load_embedded_pipeline(kind: str = "image", dtype: torch.dtype = torch.float
     return pipe
 
 
-__all__ = ["IMAGE_CALL_KWARGS", "KINDS", "embedded_pipeline_path", "load_embedded_pipeline"]
+__all__ = ["CALL_KWARGS", "IMAGE_CALL_KWARGS", "KINDS", "VIDEO_CALL_KWARGS", "embedded_pipeline_path",
+           "load_embedded_pipeline"]

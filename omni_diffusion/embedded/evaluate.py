@@ -1,4 +1,5 @@
-"""Evaluation of the embedded digit models: prompt adherence, PSNR and SSIM.
+"""Evaluation of the embedded digit models: prompt adherence, PSNR and SSIM (the video
+model's clips and motion scoring: :mod:`.evaluate_video`).
 
 The data are scikit-learn's handwritten digits (``sklearn.datasets.load_digits``:
 1797 grey 8x8 images, values 0..16), shipped inside the scikit-learn package.
@@ -172,24 +173,31 @@ def image_adherence(pipe, n: int = 100, steps: int | None = None, seed: int = 0,
 def main(argv=None) -> None:
     import argparse
 
-    from . import load_embedded_pipeline
+    import diffusers
 
-    parser = argparse.ArgumentParser(description="score the embedded image model's prompt adherence")
+    from . import _PIPELINES, load_embedded_pipeline
+
+    parser = argparse.ArgumentParser(description="score an embedded model's prompt adherence")
+    parser.add_argument("--kind", choices=("image", "video"), default="image")
     parser.add_argument("--n", type=int, default=100)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--path", default=None, help="a model folder other than the embedded one")
     args = parser.parse_args(argv)
-    clf = digit_classifier()
-    print(f"classifier test accuracy: {clf.test_accuracy:.4f}")
     if args.path:
-        import diffusers
-
-        pipe = diffusers.FluxPipeline.from_pretrained(args.path)
+        pipe = getattr(diffusers, _PIPELINES[args.kind]).from_pretrained(args.path)
         pipe.set_progress_bar_config(disable=True)
     else:
-        pipe = load_embedded_pipeline("image")
-    print(f"adherence over {args.n}: {image_adherence(pipe, args.n, args.steps, args.seed):.3f}")
+        pipe = load_embedded_pipeline(args.kind)
+    if args.kind == "image":
+        print(f"classifier test accuracy: {digit_classifier().test_accuracy:.4f}")
+        print(f"adherence over {args.n}: {image_adherence(pipe, args.n, args.steps, args.seed):.3f}")
+        return
+    from .evaluate_video import frame_digit_classifier, pipeline_video_adherence
+
+    print(f"frame classifier test accuracy: {frame_digit_classifier().test_accuracy:.4f}")
+    print(f"video adherence over {args.n} (digit and direction): "
+          f"{pipeline_video_adherence(pipe, args.n, args.steps, args.seed):.3f}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,18 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def optimizer_step(opt, sched, loss: torch.Tensor, clip_params=None) -> float:
+    """Backpropagate ``loss``, clip the gradients of ``clip_params`` to norm 1 (when given),
+    step the optimizer and its schedule; returns the loss value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip_params is not None:
+        torch.nn.utils.clip_grad_norm_(clip_params, 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def build_image_pipeline():
     """The untrained image pipeline (float32, CPU)."""
     import diffusers
@@ -92,11 +104,7 @@ def _train_vae(vae, images: torch.Tensor, steps: int, batch: int, log) -> None:
         recon = vae.decode(dist.sample()).sample
         rec = torch.nn.functional.mse_loss(recon, x)
         kl = dist.kl().mean() / x[0].numel()
-        loss = rec + 1e-3 * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        optimizer_step(opt, sched, rec + 1e-3 * kl)
         if step % 100 == 0 or step == steps - 1:
             log(f"vae step {step:5d}  mse {rec.item():.4f}  kl {kl.item():.4f}")
     vae.eval()
@@ -137,13 +145,8 @@ def _train_transformer(pipe, latents: torch.Tensor, labels: torch.Tensor, steps:
         pred = transformer(hidden_states=packed, timestep=sigma, pooled_projections=pooled[cond],
                            encoder_hidden_states=embeds[cond], txt_ids=text_ids, img_ids=img_ids,
                            return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        loss = optimizer_step(opt, sched, torch.nn.functional.mse_loss(pred, target), params)
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         if step % 200 == 0 or step == steps - 1:
             log(f"transformer step {step:5d}  loss {ema:.4f}")
     transformer.eval()
@@ -209,14 +212,28 @@ def main(argv=None) -> None:
     parser.add_argument("--vae-steps", type=int, default=None)
     parser.add_argument("--finetune-steps", type=int, default=None,
                         help="stage-3 steps, text encoders trainable (default 1000; 0: none)")
+    parser.add_argument("--decoder-steps", type=int, default=None,
+                        help="video: stage-1b steps, the VAE decoder on whole clips (default 150)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="video: cpu or cuda")
+    parser.add_argument("--batch", type=int, default=None, help="video: transformer batch (default 32)")
     parser.add_argument("--init", default=None,
                         help="fine-tune this saved pipeline (text encoders trainable) instead")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kind == "video":
-        raise SystemExit("the video model is not built yet")
+        from .train_video import finetune_decoder, train_video
+
+        if args.init and args.steps == 0 and args.decoder_steps:
+            finetune_decoder(args.init, args.out, seed=args.seed, steps=args.decoder_steps,
+                             device=args.device)
+            return
+        kw = {k: v for k, v in (("steps", args.steps), ("vae_steps", args.vae_steps),
+                                ("decoder_steps", args.decoder_steps), ("batch", args.batch))
+              if v is not None}
+        train_video(args.out, seed=args.seed, init=args.init, device=args.device, **kw)
+        return
     if args.init:
         finetune_image(args.init, args.out, seed=args.seed,
                        **({"steps": args.steps} if args.steps else {}))

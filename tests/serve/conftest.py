@@ -52,11 +52,12 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *args: str, log: Path) -> None:
+    def __init__(self, model: str | None, *args: str, log: Path) -> None:
+        """``model`` None: a bare ``omni-serve``, on the embedded default models."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "omni_serve.cli", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", "omni_serve.cli", *([model] if model else []), "--host",
+               "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args]
         if shutil.which("timeout"):
             cmd = ["timeout", "-s", "KILL", str(SERVER_LIFETIME_S), *cmd]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -100,15 +101,28 @@ class Server:
         self._log_file.close()
 
 
-@pytest.fixture(scope="module")
-def wan_server(wan_dir, tmp_path_factory):
-    srv = Server(wan_dir, "--default-size", "32x32", "--max-queue", "2", "--model-name", "tiny-wan",
-                 "--attention", "none", log=tmp_path_factory.mktemp("serve-log") / "server.log")
+def _ready(srv: Server):
+    """Fixture body: wait until ``srv`` is ready, yield it, stop it at teardown."""
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def wan_server(wan_dir, tmp_path_factory):
+    srv = Server(wan_dir, "--default-size", "32x32", "--max-queue", "2", "--model-name", "tiny-wan",
+                 "--attention", "none", log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield from _ready(srv)
+
+
+@pytest.fixture(scope="module")
+def embedded_server(tmp_path_factory):
+    """``omni-serve`` with no model argument: the embedded image and video models."""
+    srv = Server(None, "--max-queue", "2", "--attention", "none",
+                 log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield from _ready(srv)
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +130,7 @@ def server(flux_dir, tmp_path_factory):
     srv = Server(flux_dir, "--default-size", "32x32", "--max-queue", "1", "--model-name", "tiny-flux",
                  "--attention", "none",
                  log=tmp_path_factory.mktemp("serve-log") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from _ready(srv)
 
 
 def _parse_sse(text: str) -> list[tuple[str | None, object]]:
