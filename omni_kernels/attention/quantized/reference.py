@@ -149,7 +149,8 @@ def quantize_qkv_reference(
         lengths = key_lengths.to(device=kb.device, dtype=torch.int64).clamp(0, skv)
         valid = (torch.arange(skv, device=kb.device)[None, :] < lengths[:, None])[:, None, :, None]
         count = lengths.clamp_min(1).to(torch.float32)
-        kb, vb = kb * valid, vb * valid
+        # where, not a product: -x * 0 is -0.0, whose FP8 byte (0x80) is not the kernels' 0x00
+        kb, vb = torch.where(valid, kb, 0.0), torch.where(valid, vb, 0.0)
     nblk = -(-skv // block_n)
     pad = nblk * block_n - skv
 
@@ -158,7 +159,7 @@ def quantize_qkv_reference(
     q_scale = _divide(q_amax, INT8_MAX)
 
     k_mean = kb.sum(dim=2) / count[:, None, None]
-    kc = torch.nn.functional.pad((kb - k_mean[:, :, None]) * valid, (0, 0, 0, pad))
+    kc = torch.nn.functional.pad(torch.where(valid, kb - k_mean[:, :, None], 0.0), (0, 0, 0, pad))
     blocks = kc.reshape(batch, hkv, nblk, block_n, d)
     k_amax = blocks.abs().amax(dim=(-1, -2))
     k_int8 = round_half_away(blocks * inverse_scale(k_amax, INT8_MAX)[..., None, None])
