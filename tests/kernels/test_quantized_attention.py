@@ -259,7 +259,7 @@ def test_lse_includes_key_mean_and_merges_across_key_shards(rel_err):
     parts = [sage_attention_forward(q, k[:, :, sl], v[:, :, sl], return_lse=True)
              for sl in (slice(0, 48), slice(48, 96))]
     total = torch.logaddexp(parts[0][1], parts[1][1])
-    merged = sum(o * torch.exp(l - total)[..., None] for o, l in parts)
+    merged = sum(o * torch.exp(part_lse - total)[..., None] for o, part_lse in parts)
     assert (total - exact_lse).abs().max().item() <= 0.15
     assert rel_err(merged, _exact(q, k, v)) <= 3e-2
     assert rel_err(merged, out) <= 3e-2
