@@ -8,10 +8,17 @@ the ``omni_sp`` diffusers backend) with nothing actually split. Target: <= 2%.
 Both runs use the same omni attention backend, so only the parallel path differs.
 
     python3 bench/parallel_overhead.py --out-dir bench/results   # prints one line per shape
+    python3 bench/parallel_overhead.py --blocks 19 --single-blocks 38   # Flux.1's full depth
 
 Model: a FluxTransformer2DModel with Flux.1's widths (24 heads x 128, 3072) and
-fewer blocks (``--blocks``/``--single-blocks``, random weights, bf16), at the
-token counts of 1024x1024 (4096 image + 512 text) and 512x512 (1024 + 512).
+``--blocks``/``--single-blocks`` blocks (random weights, bf16, initialized on
+the GPU: the full 12B-parameter depth builds in seconds), at the token counts
+of 1024x1024 (4096 image + 512 text) and 512x512 (1024 + 512).
+
+Besides the times, each row counts the ops one forward dispatches (torch.profiler,
+CPU side): data-moving ops (copy_, cat, stack, clone, contiguous) and
+collectives, plain vs the sequence-parallel path. At degree 1 they should be
+equal (tests/parallel/test_degree_one_overhead.py keeps that on CPU).
 """
 
 from __future__ import annotations
@@ -46,6 +53,43 @@ def _time(fn, warmup: int, iters: int, cuda: bool) -> list[float]:
     return times
 
 
+#: ops whose count the rows report: data movement and collectives
+COUNTED = ("aten::copy_", "aten::cat", "aten::stack", "aten::clone", "aten::contiguous")
+
+
+def _op_counts(fn) -> dict[str, int]:
+    """Data-moving ops and collectives one ``fn()`` dispatches, plus all aten ops."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = Counter(event.name for event in prof.events())
+    counts = {name.split("::")[-1]: names.get(name, 0) for name in COUNTED}
+    counts["collectives"] = sum(n for name, n in names.items()
+                                if name.startswith(("c10d", "_c10d_functional", "nccl:", "gloo:")))
+    counts["aten_ops"] = sum(n for name, n in names.items() if name.startswith("aten::"))
+    return counts
+
+
+def build_model(blocks: int, single_blocks: int, device: str, dtype: torch.dtype):
+    """A random-weight Flux transformer built on ``device`` (no CPU init and copy: Flux.1's
+    full depth has 12B parameters), then cast to ``dtype``."""
+    from diffusers import FluxTransformer2DModel
+
+    cuda = device == "cuda"
+    heads, head_dim = (24, 128) if cuda else (4, 32)
+    with torch.device(device):
+        model = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=blocks, num_single_layers=single_blocks,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=4096,
+            pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56) if cuda else (8, 12, 12),
+        )
+    return model.to(dtype).eval()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
@@ -57,7 +101,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch.distributed as dist
-    from diffusers import FluxTransformer2DModel
 
     from omni_diffusion.parallel import ParallelConfig, parallelize
 
@@ -67,12 +110,11 @@ def main() -> int:
     os.environ.setdefault("MASTER_PORT", "29512")
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     torch.manual_seed(0)
-    heads, head_dim = (24, 128) if cuda else (4, 32)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=args.blocks, num_single_layers=args.single_blocks,
-        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=4096,
-        pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56) if cuda else (8, 12, 12),
-    ).to(device, dtype).eval()
+    start = time.perf_counter()
+    model = build_model(args.blocks, args.single_blocks, device, dtype)
+    print(f"model: {args.blocks} + {args.single_blocks} blocks, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device}, "
+          f"built in {time.perf_counter() - start:.1f} s", flush=True)
     import omni_diffusion as od
 
     od.accelerate(model, od.AccelConfig(attention=args.attention))
@@ -97,11 +139,13 @@ def main() -> int:
 
         plain_out = run()
         plain = _time(run, args.warmup, args.iters, cuda)
+        plain_ops = _op_counts(run)
         undo = parallelize(model, ParallelConfig(), attention_backend=None if args.attention == "auto"
                            else args.attention, device_type=device, force_sequence_parallel=True)
         try:
             sp_out = run()
             sp = _time(run, args.warmup, args.iters, cuda)
+            sp_ops = _op_counts(run)
         finally:
             undo()
         # interleave a second plain run so drift does not favour either side
@@ -109,11 +153,15 @@ def main() -> int:
         p, s = statistics.median(plain), statistics.median(sp)
         diff = (sp_out.float() - plain_out.float()).abs().max().item()
         row = dict(image_tokens=image, text_tokens=text, plain_ms=round(p, 3), sp_ms=round(s, 3),
-                   overhead_pct=round(100 * (s - p) / p, 2), max_abs_diff=diff)
+                   overhead_pct=round(100 * (s - p) / p, 2), max_abs_diff=diff,
+                   plain_ops=plain_ops, sp_ops=sp_ops)
         rows.append(row)
+        extra = {name: (plain_ops[name], sp_ops[name]) for name in plain_ops
+                 if plain_ops[name] != sp_ops[name]}
         print(f"image {image} + text {text} tokens: plain {p:.3f} ms, sequence-parallel path "
-              f"{s:.3f} ms, overhead {row['overhead_pct']:+.2f}% (target <= 2%), max |diff| {diff:.2e}",
-              flush=True)
+              f"{s:.3f} ms, overhead {row['overhead_pct']:+.2f}% (target <= 2%), max |diff| {diff:.2e}; "
+              f"ops per forward {plain_ops}, sequence-parallel path differs in "
+              f"{extra or 'none'}", flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = dict(benchmark="parallel_overhead", environment=base_environment(), rows=rows,

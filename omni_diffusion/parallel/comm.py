@@ -4,6 +4,10 @@
 ``torch.compile`` and run on NCCL and gloo alike; omni adds no transport.
 Uneven shards are exchanged as one flat buffer with per-peer split sizes
 (``all_to_all_single``), and gathered by padding to the largest shard.
+
+On a 1-rank group every collective is a no-op that returns its input (no
+copy, no call into the process group): a strategy at degree 1 then costs
+nothing, while its code path stays the one that runs at degree > 1.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ def all_to_all(send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]
     split plan, so nothing is exchanged to learn sizes). All tensors share a
     dtype and device; any shapes, empty ones included.
     """
-    if len(send) != len(recv_shapes) or len(send) != group_size(group):
+    world = group_size(group)
+    if len(send) != len(recv_shapes) or len(send) != world:
         raise ValueError(f"all_to_all: {len(send)} send tensors, {len(recv_shapes)} receive "
-                         f"shapes, group of {group_size(group)}")
+                         f"shapes, group of {world}")
+    if world == 1:  # what this rank sends itself, as a view where its layout allows
+        return [send[0].reshape(tuple(recv_shapes[0]))]
     flat = torch.cat([t.reshape(-1) for t in send])
     in_splits = [t.numel() for t in send]
     out_splits = [math_prod(shape) for shape in recv_shapes]
@@ -68,7 +75,9 @@ def all_gather_uneven(tensor: torch.Tensor, sizes: Sequence[int], dim: int, grou
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    """The elementwise sum over the group (a new tensor)."""
+    """The elementwise sum over the group: a new tensor, or ``tensor`` itself on a 1-rank group."""
+    if group_size(group) == 1:
+        return tensor
     return _wait(funcol.all_reduce(tensor, "sum", group))
 
 

@@ -9,11 +9,13 @@ works), and shards may hold different token counts. Every rank knows every
 shard's size from the split plan, so nothing but the data is exchanged.
 
 Tensors are in diffusers' ``[..., S, H, D]`` layout with the sequence at
-``seq_dim`` and the heads right after it.
+``seq_dim`` and the heads right after it. With one rank both exchanges are the
+identity and return their input (no copy).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -22,10 +24,11 @@ from omni_diffusion.parallel.comm import all_to_all
 from omni_diffusion.parallel.config import offsets, split_sizes
 
 
-def head_slices(heads: int, degree: int) -> list[slice]:
+@functools.cache  # planned once per (heads, degree), not per attention call
+def head_slices(heads: int, degree: int) -> tuple[slice, ...]:
     """The heads each of ``degree`` Ulysses ranks takes."""
     bounds = offsets(split_sizes(heads, degree))
-    return [slice(bounds[j], bounds[j + 1]) for j in range(degree)]
+    return tuple(slice(bounds[j], bounds[j + 1]) for j in range(degree))
 
 
 def sequence_to_heads(x: torch.Tensor, seq_sizes: Sequence[int], rank: int, group,
@@ -36,6 +39,8 @@ def sequence_to_heads(x: torch.Tensor, seq_sizes: Sequence[int], rank: int, grou
     order, for this rank's heads. ``seq_sizes[j]`` is group rank ``j``'s shard length.
     """
     degree = len(seq_sizes)
+    if degree == 1:
+        return x
     heads = x.shape[seq_dim + 1]
     slices = head_slices(heads, degree)
     send = [x.narrow(seq_dim + 1, s.start, s.stop - s.start) for s in slices]
@@ -59,6 +64,8 @@ def heads_to_sequence(x: torch.Tensor, seq_sizes: Sequence[int], heads: int, ran
     comes back in front: the result is then ``[..., T + n_rank, heads, D]``.
     """
     degree = len(seq_sizes)
+    if degree == 1:
+        return x if prefix is None else torch.cat([prefix, x], dim=seq_dim)
     slices = head_slices(heads, degree)
     bounds = offsets(list(seq_sizes))
     send = []

@@ -28,6 +28,11 @@ ends with the full text output, as the replicated text stream needs.
 Cross-attention modules (image queries, text keys: Wan's ``attn2``) are left
 alone: their keys are replicated and their queries local.
 
+At degree 1 (``force_sequence_parallel``) this same path runs the ops of
+plain execution and nothing more: the shard is the whole tensor (no cut, no
+gather), 1-rank collectives return their input, the Ulysses step leaves q/k/v
+as they are, and the rotary tables pass through (tests/parallel/test_degree_one_overhead.py).
+
 Routing: processors that call diffusers' ``dispatch_attention_fn`` get omni's
 ``"omni_sp"`` diffusers backend, with the :class:`SequenceParallelAttention`
 as their ``_parallel_config`` (the dispatcher passes it on as
@@ -45,13 +50,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters.base import ModelAdapter, block_call
+from omni_diffusion.adapters.base import BlockCall, ModelAdapter, block_call
 from omni_diffusion.parallel.comm import all_gather_uneven
 from omni_diffusion.parallel.config import offsets, split_sizes
 from omni_diffusion.parallel.ring import ring_attention
 from omni_diffusion.parallel.ulysses import head_slices, heads_to_sequence, sequence_to_heads
+from omni_kernels.attention import attention
 
 SP_BACKEND_NAME = "omni_sp"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSplit:
+    """How ``total`` image tokens are split over the sequence ranks, seen from this rank.
+
+    Planned once per image length (:meth:`SequenceGroups.split`), so no
+    attention call or block re-plans it. ``sizes``: tokens per sequence rank
+    (ring-major); this rank holds ``[start, start + mine)``;
+    ``ulysses_sizes``: the shards of this rank's Ulysses group, in its rank
+    order; ``ring_sizes``: each ring rank's Ulysses-group total.
+    """
+
+    total: int
+    sizes: tuple[int, ...]
+    start: int
+    mine: int
+    ulysses_sizes: tuple[int, ...]
+    ring_sizes: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        """This rank's shard is the whole sequence (degree 1): nothing to cut or gather."""
+        return self.mine == self.total
 
 
 @dataclasses.dataclass
@@ -64,6 +94,8 @@ class SequenceGroups:
     ring_group: Any
     ring_rank: int
     ring_size: int
+    _splits: dict[int, ImageSplit] = dataclasses.field(default_factory=dict, repr=False,
+                                                       compare=False)
 
     @classmethod
     def from_mesh(cls, mesh) -> SequenceGroups:
@@ -78,25 +110,31 @@ class SequenceGroups:
     def rank(self) -> int:
         return self.ring_rank * self.ulysses_size + self.ulysses_rank
 
-    def ulysses_sizes(self, sizes: list[int]) -> list[int]:
-        start = self.ring_rank * self.ulysses_size
-        return sizes[start:start + self.ulysses_size]
+    def split(self, total: int) -> ImageSplit:
+        """The split of ``total`` image tokens (``torch.tensor_split``'s uneven cut), cached."""
+        plan = self._splits.get(total)
+        if plan is None:
+            sizes = tuple(split_sizes(total, self.degree))
+            u = self.ulysses_size
+            first = self.ring_rank * u
+            plan = self._splits[total] = ImageSplit(
+                total=total, sizes=sizes, start=offsets(list(sizes))[self.rank],
+                mine=sizes[self.rank], ulysses_sizes=sizes[first:first + u],
+                ring_sizes=tuple(sum(sizes[r * u:(r + 1) * u]) for r in range(self.ring_size)))
+        return plan
 
-    def ring_sizes(self, sizes: list[int]) -> list[int]:
-        u = self.ulysses_size
-        return [sum(sizes[r * u:(r + 1) * u]) for r in range(self.ring_size)]
-
-    def gather(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
-        """All sequence shards of ``x`` along ``dim``, in sequence-rank order."""
-        x = all_gather_uneven(x, self.ulysses_sizes(sizes), dim, self.ulysses_group)
-        return all_gather_uneven(x, self.ring_sizes(sizes), dim, self.ring_group)
+    def gather(self, x: torch.Tensor, split: ImageSplit, dim: int) -> torch.Tensor:
+        """All sequence shards of ``x`` along ``dim``, in sequence-rank order (``x`` itself
+        when this rank holds the whole sequence)."""
+        x = all_gather_uneven(x, split.ulysses_sizes, dim, self.ulysses_group)
+        return all_gather_uneven(x, split.ring_sizes, dim, self.ring_group)
 
 
 @dataclasses.dataclass
 class SequenceState:
     """What the current forward's blocks tell the attention: set by the block hooks."""
 
-    image_sizes: list[int] | None = None  # image tokens per sequence rank
+    split: ImageSplit | None = None  # the image tokens' split over the sequence ranks
     text_len: int = 0
 
 
@@ -108,6 +146,10 @@ class SequenceParallelAttention:
     ``joint``: the tokens are text + image (``text_first`` says the order);
     otherwise image only. ``backend``: the omni attention backend (None: omni's
     per-call choice).
+
+    A 1-rank Ulysses group leaves q/k/v as they come (no stack, no text/image
+    split: every head and all of the group's tokens are here); a 1-rank ring
+    attends once, with no LSE. So at degree 1 the call is the plain attention call.
     """
 
     def __init__(self, groups: SequenceGroups, state: SequenceState, *, joint: bool,
@@ -119,8 +161,6 @@ class SequenceParallelAttention:
         self.backend = backend
 
     def _attend(self, scale):
-        from omni_kernels.attention import attention
-
         def attend(q, k, v, mask):
             if q.shape[2] == 0:  # more Ulysses ranks than heads: this rank has none
                 return q.clone(), q.new_zeros(q.shape[0], 0, q.shape[1], dtype=torch.float32)
@@ -131,8 +171,8 @@ class SequenceParallelAttention:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-        sizes = self.state.image_sizes
-        if sizes is None:
+        split = self.state.split
+        if split is None:
             raise RuntimeError("sequence-parallel attention ran outside the sharded blocks "
                                "(no image split is known)")
         if attn_mask is not None:
@@ -140,39 +180,58 @@ class SequenceParallelAttention:
                              "it supports pass none)")
         groups = self.groups
         text = self.state.text_len if self.joint else 0
-        batch, seq, heads, _ = query.shape
-        mine = sizes[groups.rank]
-        if seq != text + mine or key.shape[:3] != query.shape[:3] or value.shape[:3] != query.shape[:3]:
+        mine = split.mine
+        if (query.shape[1] != text + mine or key.shape[:3] != query.shape[:3]
+                or value.shape[:3] != query.shape[:3]):
             raise ValueError(
                 f"sequence-parallel attention expects q/k/v of {text} text + {mine} image tokens "
                 f"and equal heads; got q {tuple(query.shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)}"
             )
-        qkv = torch.stack([query, key, value])  # [3, B, S, H, D]
         image_start = text if self.text_first else 0
-        txt = qkv.narrow(2, 0 if self.text_first else mine, text)
-        img = qkv.narrow(2, image_start, mine)
+        if groups.ulysses_size == 1:
+            q, k, v = query, key, value
+            ring_key, ring_value = (key.narrow(1, image_start, mine), value.narrow(1, image_start, mine)
+                                    ) if groups.ring_size > 1 else (None, None)
+        else:
+            q, k, v, ring_key, ring_value = self._heads_of_group(query, key, value, text, split)
+        if groups.ring_size > 1:
+            out = ring_attention(q, k, v, None, ring_key, ring_value, split.ring_sizes,
+                                 groups.ring_rank, groups.ring_group, self._attend(scale))
+        elif q.shape[2] == 0:
+            out = q.clone()  # more Ulysses ranks than heads: this rank has none
+        else:  # no partials to merge: no LSE needed
+            out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale)
+        if groups.ulysses_size == 1:
+            return out
+        return self._sequence_of_rank(out, text, split, query.shape[2])
 
-        u_sizes = groups.ulysses_sizes(sizes)
-        heads_here = head_slices(heads, groups.ulysses_size)[groups.ulysses_rank]
-        img = sequence_to_heads(img, u_sizes, groups.ulysses_rank, groups.ulysses_group, seq_dim=2)
+    def _heads_of_group(self, query, key, value, text: int, split: ImageSplit):
+        """Ulysses forward exchange: ``[B, T + mine, H, D]`` q/k/v to ``[B, T + n_group,
+        h_rank, D]`` (text for this rank's heads, the group's image tokens), and the
+        image key/value part ``[B, n_group, h_rank, D]`` that Ring passes around."""
+        groups = self.groups
+        qkv = torch.stack([query, key, value])  # [3, B, S, H, D]: one all-to-all for the three
+        image_start = text if self.text_first else 0
+        txt = qkv.narrow(2, 0 if self.text_first else split.mine, text)
+        img = qkv.narrow(2, image_start, split.mine)
+        heads_here = head_slices(query.shape[2], groups.ulysses_size)[groups.ulysses_rank]
+        img = sequence_to_heads(img, split.ulysses_sizes, groups.ulysses_rank, groups.ulysses_group,
+                                seq_dim=2)
         txt = txt[:, :, :, heads_here]
         joint = torch.cat([txt, img] if self.text_first else [img, txt], dim=2)
         q, k, v = joint.unbind(0)
-        if groups.ring_size == 1 and q.shape[2] == 0:
-            out = q.clone()  # more Ulysses ranks than heads: this rank has none
-        elif groups.ring_size == 1:  # no partials to merge: no LSE needed
-            from omni_kernels.attention import attention
+        return q, k, v, img[1], img[2]
 
-            out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale)
-        else:
-            out = ring_attention(q, k, v, None, img[1], img[2], groups.ring_sizes(sizes),
-                                 groups.ring_rank, groups.ring_group, self._attend(scale))
-        group_len = img.shape[2]
+    def _sequence_of_rank(self, out: torch.Tensor, text: int, split: ImageSplit, heads: int):
+        """Ulysses inverse exchange: ``[B, T + n_group, h_rank, D]`` to ``[B, T + mine, H, D]``
+        in the layout's text/image order."""
+        groups = self.groups
+        group_len = sum(split.ulysses_sizes)
         img_out = out.narrow(1, text if self.text_first else 0, group_len)
         txt_out = out.narrow(1, 0 if self.text_first else group_len, text)
-        res = heads_to_sequence(img_out, u_sizes, heads, groups.ulysses_rank, groups.ulysses_group,
-                                seq_dim=1, prefix=txt_out if text else None)
+        res = heads_to_sequence(img_out, split.ulysses_sizes, heads, groups.ulysses_rank,
+                                groups.ulysses_group, seq_dim=1, prefix=txt_out if text else None)
         if text and not self.text_first:  # the all-to-all put the text in front
             res = torch.cat([res[:, text:], res[:, :text]], dim=1)
         return res
@@ -247,11 +306,11 @@ def route_dispatcher_processor(module: nn.Module, parallel: SequenceParallelAtte
 # --------------------------------------------------------------------------- block hooks
 
 
-def _set_arg(block: nn.Module, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
-    positions = block_call(block, args, kwargs)._positions
-    if name not in kwargs and positions.get(name, len(args)) < len(args):
+def _set_arg(call: BlockCall, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
+    position = call._positions.get(name, len(args))
+    if name not in kwargs and position < len(args):
         args = list(args)
-        args[positions[name]] = value
+        args[position] = value
         return tuple(args), kwargs
     kwargs = dict(kwargs)
     kwargs[name] = value
@@ -259,23 +318,25 @@ def _set_arg(block: nn.Module, args: tuple, kwargs: dict, name: str, value: Any)
 
 
 class _RotaryCutter:
-    """Cuts the whole-sequence rotary tables to this rank's tokens, once per forward."""
+    """Cuts the whole-sequence rotary tables to this rank's tokens, once per forward
+    (the blocks of one forward get the same table objects); a table this rank holds
+    whole is passed on as it is."""
 
     def __init__(self, plan, text_first: bool, groups: SequenceGroups, state: SequenceState) -> None:
         self.plan, self.text_first, self.groups, self.state = plan, text_first, groups, state
-        self._key: tuple | None = None
+        self._key: tuple = (None, None, None, None)  # (value, its tensors, text, split)
         self._value: Any = None
 
-    def _cut(self, table: torch.Tensor, text: int) -> torch.Tensor:
+    def _cut(self, table: torch.Tensor, text: int, split: ImageSplit) -> torch.Tensor:
         dim = self.plan.rotary_seq_dim
-        sizes = self.state.image_sizes
-        full = sum(sizes)
+        full = split.total
         text = text if self.plan.rotary_covers_text else 0
         if table.shape[dim] != full + text:
             raise ValueError(f"rotary table of length {table.shape[dim]} along dim {dim}; expected "
                              f"{full} image + {text} text tokens")
-        start = offsets(sizes)[self.groups.rank]
-        mine = sizes[self.groups.rank]
+        if split.whole:
+            return table
+        start, mine = split.start, split.mine
         if not text:
             return table.narrow(dim, start, mine)
         if self.text_first:
@@ -283,15 +344,20 @@ class _RotaryCutter:
         return torch.cat([table.narrow(dim, start, mine), table.narrow(dim, full, text)], dim)
 
     def __call__(self, value: Any, text: int) -> Any:
-        tensors = value if isinstance(value, (tuple, list)) else (value,)
-        key = (tuple(tensors), text, tuple(self.state.image_sizes))
-        if self._key is not None and len(self._key[0]) == len(key[0]) and all(
-            a is b for a, b in zip(self._key[0], key[0])
-        ) and self._key[1:] == key[1:]:
+        split = self.state.split
+        tensors = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        last, last_tensors, last_text, last_split = self._key
+        # the same tables (by identity: a list may be refilled) for the same tokens
+        if (value is last and last_text == text and last_split is split
+                and len(tensors) == len(last_tensors)
+                and all(a is b for a, b in zip(tensors, last_tensors))):
             return self._value
-        cut = [self._cut(t, text) for t in tensors]
-        result = type(value)(cut) if isinstance(value, (tuple, list)) else cut[0]
-        self._key, self._value = key, result
+        cut = [self._cut(t, text, split) for t in tensors]
+        if all(c is t for c, t in zip(cut, tensors)):
+            result = value
+        else:
+            result = type(value)(cut) if isinstance(value, (tuple, list)) else cut[0]
+        self._key, self._value = (value, tensors, text, split), result
         return result
 
 
@@ -350,29 +416,41 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
 
 
 def _before_block(block, args, kwargs, *, spec, first, groups, state, cutter, rotary_arg, joint):
+    """Per block: the first block cuts the image tokens (planned once per length); every
+    block records its text length and gets rotary tables for its tokens. Returns None
+    (the arguments stand) when nothing had to change, as at degree 1."""
     call = block_call(block, args, kwargs)
+    changed = False
     if first:
         hidden = call.get(spec.hidden_arg)
-        state.image_sizes = split_sizes(hidden.shape[1], groups.degree)
-        start = offsets(state.image_sizes)[groups.rank]
-        args, kwargs = _set_arg(block, args, kwargs, spec.hidden_arg,
-                                hidden.narrow(1, start, state.image_sizes[groups.rank]))
+        split = state.split = groups.split(hidden.shape[1])
+        if not split.whole:
+            args, kwargs = _set_arg(call, args, kwargs, spec.hidden_arg,
+                                    hidden.narrow(1, split.start, split.mine))
+            changed = True
     encoder = call.get(spec.encoder_arg) if joint else None
     state.text_len = 0 if encoder is None else encoder.shape[1]
     if cutter is not None:
         rotary = call.get(rotary_arg)
         if rotary is not None:
-            args, kwargs = _set_arg(block, args, kwargs, rotary_arg, cutter(rotary, state.text_len))
-    return args, kwargs
+            cut = cutter(rotary, state.text_len)
+            if cut is not rotary:
+                args, kwargs = _set_arg(call, args, kwargs, rotary_arg, cut)
+                changed = True
+    return (args, kwargs) if changed else None
 
 
 def _after_last_block(block, args, kwargs, output, *, spec, groups, state):
-    hidden = groups.gather(spec.hidden_of(output), state.image_sizes, dim=1)
-    return spec.pack(hidden, spec.encoder_of(output))
+    hidden = spec.hidden_of(output)
+    gathered = groups.gather(hidden, state.split, dim=1)
+    if gathered is hidden:
+        return None  # nothing was split: the block's output stands
+    return spec.pack(gathered, spec.encoder_of(output))
 
 
 __all__ = [
     "SP_BACKEND_NAME",
+    "ImageSplit",
     "SequenceGroups",
     "SequenceParallelAttention",
     "SequenceState",

@@ -28,15 +28,17 @@ def attention_case(rank, world, ulysses, ring, batch, text, image, heads, dim, t
         *(x.transpose(1, 2).double() for x in (q, k, v))).transpose(1, 2).float()
     mesh = build_mesh(ParallelConfig(ulysses=ulysses, ring=ring, cfg=world // (ulysses * ring)), "cpu")
     groups = SequenceGroups.from_mesh(mesh)
-    sizes = split_sizes(image, groups.degree)
-    start, mine = offsets(sizes)[groups.rank], sizes[groups.rank]
+    split = groups.split(image)
+    assert split.sizes == tuple(split_sizes(image, groups.degree))
+    start, mine = offsets(list(split.sizes))[groups.rank], split.sizes[groups.rank]
+    assert (split.start, split.mine) == (start, mine)
 
     def local(x):
         if text_first:
             return torch.cat([x[:, :text], x[:, text + start: text + start + mine]], dim=1)
         return torch.cat([x[:, start:start + mine], x[:, image:]], dim=1)
 
-    state = SequenceState(image_sizes=sizes, text_len=text)
+    state = SequenceState(split=split, text_len=text)
     sp = SequenceParallelAttention(groups, state, joint=text > 0, text_first=text_first,
                                    backend="sdpa_math")
     out = sp(local(q), local(k), local(v))
@@ -128,3 +130,51 @@ def accelerate_case(rank, world, family, parallel, accel):
     out = generate()
     od.undo(pipe)
     return (out - ref).abs().max().item(), ref.abs().max().item()
+
+
+def _op_counts(fn) -> dict[str, int]:
+    """How many times each op (and collective) runs in ``fn()``, from torch.profiler on CPU."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # first-call work (caches, lazy init) is not what is counted
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return dict(Counter(event.name for event in prof.events()))
+
+
+def op_count_case(rank, world, family):
+    """Ops of one transformer forward of a tiny ``family`` pipeline, plain and through the
+    sequence-parallel path at degree 1 (``force_sequence_parallel``); (plain, sp, max |diff|)."""
+    import omni_diffusion as od
+    from omni_diffusion.adapters import adapter_for
+    from omni_diffusion.parallel import parallelize
+    from omni_diffusion.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math"))
+    transformer = adapter_for(pipe).transformers(pipe)["transformer"]
+    calls = []
+    handle = transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(**tiny_call_kwargs(family, steps=1, pipe=pipe))
+    finally:
+        handle.remove()
+    args, kwargs = calls[0]
+
+    def forward():
+        with torch.no_grad():
+            out = transformer(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out.sample
+
+    plain, ref = _op_counts(forward), forward()
+    undo = parallelize(pipe, ParallelConfig(), attention_backend="sdpa_math", device_type="cpu",
+                       force_sequence_parallel=True)
+    try:
+        sp, out = _op_counts(forward), forward()
+    finally:
+        undo()
+    return plain, sp, (out - ref).abs().max().item()
