@@ -9,7 +9,7 @@
 # installed into /tmp/site, without their dependencies, and put on PYTHONPATH.
 #
 # Environment: OMNI_GPU_TESTS (test paths, default tests), OMNI_BENCHES (default
-# "qk_norm_rope attention linear"), OMNI_GIT_COMMIT (the commit the results name: the copied tree
+# "qk_norm_rope attention linear halo parallel_overhead"), OMNI_GIT_COMMIT (the commit the results name: the copied tree
 # has no .git), OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
 # (default: /usr/local/cuda-13.0 or /usr/local/cuda when they hold nvcc),
 # OUT (benchmark results go to $OUT, else bench/results).
@@ -99,7 +99,7 @@ if [ "$mode" != test ]; then
     start=$(date +%s)
     bench_rc=0
     # OMNI_BENCHES picks benchmarks (default: all of them); each records its results in $out_dir.
-    for bench in ${OMNI_BENCHES:-qk_norm_rope attention linear}; do
+    for bench in ${OMNI_BENCHES:-qk_norm_rope attention linear halo parallel_overhead}; do
         echo "== bench: python3 bench/$bench.py --out-dir $out_dir"
         python3 "bench/$bench.py" --out-dir "$out_dir" || bench_rc=$?
     done
