@@ -1,0 +1,213 @@
+"""Caching on the trained embedded image model: speed-up against the drop in quality.
+
+The embedded digits FluxPipeline (:mod:`omni_diffusion.embedded`, 32x32, 28 steps by
+default) draws ``--n`` images, the digits 0..9 in turn, image ``i`` from its own generator
+seeded ``--seed + i``, one image per call:
+
+* first without caching (``reference``);
+* then, for each threshold, under ``omni_diffusion.accelerate(pipe, AccelConfig(attention=None,
+  cache=CacheConfig(kind, threshold=t)))`` and ``omni_diffusion.undo(pipe)`` afterwards.
+  ``attention=None`` leaves attention as diffusers has it, so only caching differs from the
+  reference.
+
+Per row: median wall time per image (three warm-up calls first, not counted), speed-up against
+the reference's median, the fraction of transformer passes that skipped blocks (``hit_rate``)
+and of block calls skipped (``blocks_skipped``; First-Block-Cache always runs the first
+block), from ``omni_diffusion.last_cache_stats``; adherence (fraction the digit classifier of
+:mod:`omni_diffusion.embedded.evaluate` reads as the prompted digit); PSNR over all pixels and
+mean SSIM against the reference image of the same seed (images in [0, 1]).
+
+Timing is on the CPU with ``torch.set_num_threads(--threads)`` (default 1, for stable
+numbers on a shared machine); the load average is recorded beside each row. Results go to
+``--out-dir`` (default ``$OUT`` or bench/results/) as ``caching_cpu_<YYYYMMDD>.{json,md}``.
+
+    .venv/bin/python bench/caching.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._environment import REPO_ROOT, base_environment  # noqa: E402
+
+DEFAULT_THRESHOLDS = {"first_block": [0.05, 0.1, 0.2], "teacache": [0.1, 0.25, 0.5]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=100, help="images per configuration (digits 0..9 in turn)")
+    parser.add_argument("--seed", type=int, default=0, help="image i is drawn with seed + i")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
+    parser.add_argument("--first-block", type=float, nargs="*", default=DEFAULT_THRESHOLDS["first_block"],
+                        help="First-Block-Cache thresholds")
+    parser.add_argument("--teacache", type=float, nargs="*", default=DEFAULT_THRESHOLDS["teacache"],
+                        help="TeaCache thresholds")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--out-dir", type=Path, default=default_out)
+    args = parser.parse_args(argv)
+    for name in ("n", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}: {getattr(args, name)} is not allowed; allowed: >= 1")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps: {args.steps} is not allowed; allowed: >= 1")
+    for name in ("first_block", "teacache"):
+        for t in getattr(args, name):
+            if not math.isfinite(t) or t < 0:
+                raise ValueError(f"--{name.replace('_', '-')}: {t} is not allowed; allowed: finite numbers >= 0")
+    return args
+
+
+def generate(pipe, digits: list[int], seed: int, steps: int | None, stats_of=None):
+    """Images ``(N, 3, 32, 32)`` float32 in [0, 1], one call per image (seed ``seed + i``), the
+    wall seconds of each call, and ``stats_of(pipe)`` after each call (cache stats) when given."""
+    from omni_diffusion.embedded.evaluate import generate_digits
+
+    for _ in range(3):  # warm-up (first calls allocate and fill caches), not counted
+        generate_digits(pipe, digits[:1], steps=steps, seed=seed)
+    images, seconds, stats = [], [], []
+    for i, digit in enumerate(digits):
+        start = time.perf_counter()
+        images.append(generate_digits(pipe, [digit], steps=steps, seed=seed + i))
+        seconds.append(time.perf_counter() - start)
+        if stats_of is not None:
+            stats.append(stats_of(pipe))
+    return torch.cat(images), seconds, stats
+
+
+def measure(pipe, digits, args, reference=None, cache=None) -> tuple[dict, torch.Tensor]:
+    """One row: ``cache`` None (the reference) or a :class:`omni_diffusion.CacheConfig`."""
+    import omni_diffusion as od
+    from omni_diffusion.embedded.evaluate import adherence, psnr, ssim
+
+    load_before = os.getloadavg()[0]
+    if cache is None:
+        images, seconds, _ = generate(pipe, digits, args.seed, args.steps)
+        stats = []
+    else:
+        od.accelerate(pipe, od.AccelConfig(attention=None, cache=cache))
+        try:
+            images, seconds, stats = generate(pipe, digits, args.seed, args.steps, od.last_cache_stats)
+        finally:
+            od.undo(pipe)
+    row = dict(
+        config="reference" if cache is None else cache.kind,
+        threshold=None if cache is None else cache.threshold,
+        images=len(digits),
+        ms_per_image=1e3 * statistics.median(seconds),
+        ms_per_image_mean=1e3 * statistics.fmean(seconds),
+        adherence=adherence(images, digits),
+        load_average=[load_before, os.getloadavg()[0]],
+    )
+    if stats:
+        passes = sum(s.passes for s in stats)
+        blocks = sum(s.blocks_total for s in stats)
+        row.update(passes=passes, hit_rate=sum(s.hits for s in stats) / passes,
+                   blocks_skipped=sum(s.blocks_skipped for s in stats) / blocks)
+    else:
+        row.update(passes=None, hit_rate=0.0, blocks_skipped=0.0)
+    if reference is not None:
+        value = psnr(images, reference, data_range=1.0)
+        row.update(psnr_db=None if math.isinf(value) else value,  # JSON has no inf: null = identical
+                   ssim=ssim(images, reference, data_range=1.0),
+                   max_abs_diff=float((images - reference).abs().max()),
+                   identical=bool(torch.equal(images, reference)))
+    return row, images
+
+
+def markdown(data: dict) -> str:
+    env = data["environment"]
+    lines = [
+        f"# Caching on the embedded image model (CPU, torch threads: {env['threads']})",
+        "",
+        f"{env['images']} images (digits 0..9 in turn, seeds {env['seed']}..{env['seed'] + env['images'] - 1}), "
+        f"{env['steps']} steps, 32x32; median wall time per image; PSNR/SSIM against the uncached image "
+        "of the same seed; skipped passes = transformer passes that skipped blocks, skipped blocks = "
+        "block calls skipped (First-Block-Cache always runs the first of its 4 blocks).",
+        "",
+        "| cache | threshold | ms/image | speed-up | skipped passes | skipped blocks | adherence | "
+        "PSNR dB | SSIM |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["results"]:
+        if "ssim" in r:
+            psnr_text = "inf (identical)" if r["psnr_db"] is None else f"{r['psnr_db']:.2f}"
+            quality = f"{psnr_text} | {r['ssim']:.4f}"
+        else:
+            quality = " | "
+        threshold = "" if r["threshold"] is None else f"{r['threshold']:g}"
+        lines.append(f"| {r['config']} | {threshold} | {r['ms_per_image']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['hit_rate']:.1%} | {r['blocks_skipped']:.1%} | {r['adherence']:.2f} | {quality} |")
+    lines += ["", f"commit {env['git_commit']}; torch {env['torch']}, diffusers {env['packages']['diffusers']}; "
+              f"load average (1 min, 2 shared cores) {env['load_average_range'][0]:.2f}..."
+              f"{env['load_average_range'][1]:.2f}", "", f"command: `{env['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:  # main() may run inside another process (a test); leave its thread count as it was
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    import omni_diffusion as od
+    from omni_diffusion.embedded import load_embedded_pipeline
+
+    pipe = load_embedded_pipeline("image")
+    steps = args.steps
+    if steps is None:
+        import inspect
+
+        steps = inspect.signature(pipe.__call__).parameters["num_inference_steps"].default
+    digits = [i % 10 for i in range(args.n)]
+    reference_row, reference = measure(pipe, digits, args)
+    rows = [reference_row]
+    configs = [od.CacheConfig("first_block", threshold=t) for t in args.first_block]
+    configs += [od.CacheConfig("teacache", threshold=t) for t in args.teacache]
+    for cache in configs:
+        row, _ = measure(pipe, digits, args, reference, cache)
+        rows.append(row)
+        print(f"{row['config']} {row['threshold']:g}: {row['ms_per_image']:.1f} ms, "
+              f"skipped {row['hit_rate']:.1%}, adherence {row['adherence']:.2f}, "
+              f"PSNR {row['psnr_db'] or math.inf:.2f} dB",
+              flush=True)
+    for row in rows:
+        row["speedup"] = reference_row["ms_per_image"] / row["ms_per_image"]
+    loads = [x for r in rows for x in r["load_average"]]
+    environment = dict(base_environment(("diffusers", "transformers", "scikit-learn")),
+                       threads=args.threads, images=args.n, seed=args.seed, steps=steps,
+                       load_average_range=[min(loads), max(loads)],
+                       model="embedded image (digits FluxPipeline)")
+    # the arguments main() was given (a test calls it directly, where sys.argv is pytest's)
+    environment.update(command=" ".join([sys.executable, "bench/caching.py", *argv]),
+                       argv=["bench/caching.py", *argv])
+    data = dict(environment=environment, results=rows)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"caching_cpu_{_dt.date.today():%Y%m%d}"
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    text = markdown(data)
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
