@@ -29,9 +29,19 @@ from omni_kernels.quant.reference import (
 logger = logging.getLogger(__name__)
 
 QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# Not yet measured on an H200 (bench/linear.py records both kernels' times): CUDA first, as for
-# the other per-row kernel (qk_rmsnorm_rope, per-head norm), where it won on host overhead.
+# Measured on an H200 (bench/results/linear_nvidia-h200_20261129.md, bf16 -> fp8, no norm):
+# CUDA 21.5 / 60.0 us vs Triton 51.6 / 65.7 us at Flux's 4608 rows (K 3072 / 12288), but
+# Triton 312 / 716 us vs CUDA 355 / 939 us at Wan 720p's 75600 rows (K 5120 / 13824): CUDA
+# first for short inputs, Triton first from _TRITON_FIRST_ROWS rows (the crossover between the
+# two measured sizes is not measured).
 _AUTO_ORDER = ("cuda", "triton", "torch")
+_AUTO_ORDER_MANY_ROWS = ("triton", "cuda", "torch")
+_TRITON_FIRST_ROWS = 32768
+
+
+def auto_order(rows: int) -> tuple[str, ...]:
+    """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens."""
+    return _AUTO_ORDER_MANY_ROWS if rows >= _TRITON_FIRST_ROWS else _AUTO_ORDER
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # The CUDA kernel moves 16 bytes per thread and vector: 8 half-precision elements, and keeps a
@@ -269,10 +279,11 @@ def quantize_per_token(
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     operands = dict(norm_weight=norm_weight, norm_bias=norm_bias, mod_scale=mod_scale, mod_shift=mod_shift)
 
+    order = auto_order(x2.shape[0])
     backend = choose_backend(
-        "quantize_per_token", backend, _AUTO_ORDER,
+        "quantize_per_token", backend, order,
         lambda name: _ineligible_reason(name, x2, qdtype, operands),
-        log_key=(x.device.type, x.dtype, qdtype),
+        log_key=(x.device.type, x.dtype, qdtype, order[0]),
         describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
         logged=_logged_auto_choices, logger=logger,
     )

@@ -335,6 +335,15 @@ def test_auto_on_cpu():
     assert torch.equal(q, quantize_per_token(x, "int8", backend="torch")[0])
 
 
+def test_auto_order_follows_the_measured_crossover():
+    """CUDA first at Flux's 4608 tokens, Triton first at Wan 720p's 75600 (H200 measurements)."""
+    from omni_kernels.quant.dispatch import auto_order
+
+    assert auto_order(4608) == ("cuda", "triton", "torch")
+    assert auto_order(75600) == ("triton", "cuda", "torch")
+    assert supported_backends(torch.randn(2, 16)).keys() == {"cuda", "triton", "torch"}
+
+
 # ============================================================================ CPU: torch.library / compile
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
