@@ -32,9 +32,7 @@ import argparse
 import datetime as _dt
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,7 +43,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench._environment import base_environment  # noqa: E402
-from bench.pipeline import MODELS, SMOKE_MODELS, build_transformer, make_inputs  # noqa: E402
+from bench.pipeline import (  # noqa: E402
+    MODELS,
+    SMOKE_MODELS,
+    build_transformer,
+    make_inputs,
+    relative_error,
+    time_variant,
+)
 
 STRATEGIES = ("ulysses", "ring", "usp", "tp")
 
@@ -65,29 +70,9 @@ def parallel_config_for(strategy: str, world: int):
     raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _forward(model, inputs) -> torch.Tensor:
-    with torch.inference_mode():
-        out = model(**inputs)
-    return out[0] if isinstance(out, (tuple, list)) else out.sample
-
-
 def _median_ms(model, inputs, warmup: int, iters: int, device: torch.device) -> tuple[float, torch.Tensor]:
-    out = None
-    for _ in range(warmup):
-        out = _forward(model, inputs)
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        out = _forward(model, inputs)
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), out
+    timing, out = time_variant(model, inputs, warmup, iters, device)
+    return timing["forward_ms"], out
 
 
 def _peak_gib(device: torch.device) -> float | None:
@@ -194,7 +179,7 @@ def main(argv=None) -> int:
             dist.barrier()
         if rank == 0:
             slowest = max(t for t in times if t is not None)
-            rel = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+            rel = relative_error(out, reference)
             speedup = baseline_ms / slowest
             rows.append(dict(strategy=strategy, config=described, status="ok", forward_ms=round(slowest, 3),
                              rank_ms=times, speedup=round(speedup, 3), efficiency=round(speedup / world, 3),
