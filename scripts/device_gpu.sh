@@ -34,13 +34,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Triton kernels run compiled on the GPU here, never interpreted.
 unset TRITON_INTERPRET
 
-if compgen -G '.whl/*.whl' >/dev/null; then
-    echo "== installing carried wheels from .whl/ into /tmp/site"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { echo "installing .whl/*.whl failed" >&2; exit 1; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=scripts/carried_wheels.sh
+source scripts/carried_wheels.sh
 
 if [ -z "${CUDA_HOME:-}" ]; then
     for dir in /usr/local/cuda-13.0 /usr/local/cuda; do

@@ -30,8 +30,8 @@ _PIPELINES = {"image": "FluxPipeline", "video": "WanPipeline"}
 
 #: call arguments the image model was trained for (height/width 32, T5 prompt length 32)
 IMAGE_CALL_KWARGS = dict(height=32, width=32, max_sequence_length=32)
-#: call arguments the video model was trained for (9 frames of 32x32, UMT5 prompt length 48)
-VIDEO_CALL_KWARGS = dict(height=32, width=32, num_frames=9, max_sequence_length=48)
+#: call arguments the video model was trained for (9 frames of 32x32, UMT5 prompt length 16)
+VIDEO_CALL_KWARGS = dict(height=32, width=32, num_frames=9, max_sequence_length=16)
 #: the call arguments of each kind
 CALL_KWARGS = {"image": IMAGE_CALL_KWARGS, "video": VIDEO_CALL_KWARGS}
 

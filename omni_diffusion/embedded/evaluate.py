@@ -183,21 +183,27 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--path", default=None, help="a model folder other than the embedded one")
+    parser.add_argument("--device", default="cpu", help="where the pipeline runs (cpu, cuda)")
     args = parser.parse_args(argv)
     if args.path:
-        pipe = getattr(diffusers, _PIPELINES[args.kind]).from_pretrained(args.path)
+        pipe = getattr(diffusers, _PIPELINES[args.kind]).from_pretrained(args.path).to(args.device)
         pipe.set_progress_bar_config(disable=True)
     else:
-        pipe = load_embedded_pipeline(args.kind)
+        pipe = load_embedded_pipeline(args.kind, device=args.device)
     if args.kind == "image":
         print(f"classifier test accuracy: {digit_classifier().test_accuracy:.4f}")
         print(f"adherence over {args.n}: {image_adherence(pipe, args.n, args.steps, args.seed):.3f}")
         return
-    from .evaluate_video import frame_digit_classifier, pipeline_video_adherence
+    from .evaluate_video import frame_digit_classifier, generate_videos, score_clips, video_targets
 
     print(f"frame classifier test accuracy: {frame_digit_classifier().test_accuracy:.4f}")
-    print(f"video adherence over {args.n} (digit and direction): "
-          f"{pipeline_video_adherence(pipe, args.n, args.steps, args.seed):.3f}")
+    digits, directions = video_targets(args.n)
+    clips = generate_videos(pipe, digits, directions, steps=args.steps, seed=args.seed)
+    got_digits, got_directions = score_clips(clips)
+    digit_ok = np.asarray(got_digits) == np.asarray(digits)
+    direction_ok = np.asarray([g == d for g, d in zip(got_directions, directions)])
+    print(f"video adherence over {args.n} (digit and direction): {np.mean(digit_ok & direction_ok):.3f} "
+          f"(digit {digit_ok.mean():.3f}, direction {direction_ok.mean():.3f})")
 
 
 if __name__ == "__main__":

@@ -219,6 +219,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="video: transformer batch (default 32)")
     parser.add_argument("--init", default=None,
                         help="fine-tune this saved pipeline (text encoders trainable) instead")
+    parser.add_argument("--vae-from", default=None,
+                        help="video: take the VAE of this saved pipeline, train a new transformer")
+    parser.add_argument("--arch", default=None, help="video: transformer size (train_video.ARCHITECTURES)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="video: seconds for the transformer stage (sets --steps from a timed probe)")
+    parser.add_argument("--lr", type=float, default=None, help="video: transformer learning rate (1e-3)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,7 +236,9 @@ def main(argv=None) -> None:
                              device=args.device)
             return
         kw = {k: v for k, v in (("steps", args.steps), ("vae_steps", args.vae_steps),
-                                ("decoder_steps", args.decoder_steps), ("batch", args.batch))
+                                ("decoder_steps", args.decoder_steps), ("batch", args.batch),
+                                ("vae_from", args.vae_from), ("arch", args.arch),
+                                ("time_budget", args.time_budget), ("lr", args.lr))
               if v is not None}
         train_video(args.out, seed=args.seed, init=args.init, device=args.device, **kw)
         return

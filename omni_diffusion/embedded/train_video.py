@@ -36,34 +36,78 @@ from .evaluate import psnr
 from .evaluate_video import DIRECTIONS, moving_digit_clips, video_prompt
 from .train import _seed, optimizer_step
 
-#: UMT5 prompt length: "a handwritten digit three moving right" is 38 bytes + </s>
-TEXT_LEN = 48
+#: UMT5 prompt length: "a handwritten digit three moving right" is 6 words + </s>
+TEXT_LEN = 16
 Z_DIM = 4
 WINDOW = 5  #: frames of a stage-1 VAE training window
 
 
-def build_video_pipeline():
-    """The untrained video pipeline (float32, CPU)."""
+#: The prompts' words: the word-level tokenizer's vocabulary after its special tokens.
+PROMPT_WORDS = ("a", "handwritten", "digit", "zero", "one", "two", "three", "four", "five", "six",
+                "seven", "eight", "nine", "moving", "left", "right", "up", "down")
+
+
+def word_tokenizer(model_max_length: int = TEXT_LEN):
+    """A word-level ``PreTrainedTokenizerFast`` over :data:`PROMPT_WORDS`, lower-cased, split on
+    whitespace and punctuation: ``<pad>``=0, ``<unk>``=1 (any other word), ``<s>``=2, ``</s>``=3
+    (appended), then the words. One token a word, so the text encoder need not assemble a digit's
+    name from its bytes: the byte-level first model read the digit right ~12% of the time."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + list(PROMPT_WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A $B </s>", special_tokens=[("</s>", 3)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>", model_max_length=model_max_length,
+    )
+
+
+#: Transformer and text-encoder sizes, by name (``--arch``). ``base`` is the shipped one; the
+#: others were its rivals in the same GPU run (see the README).
+ARCHITECTURES = {
+    # 4 layers, 128 wide (4 heads of 32), patches 1x2x2: 5 x 8 x 8 = 320 tokens of 16 values
+    "base": dict(width=128, heads=4, layers=4, ffn=512, patch=(1, 2, 2), text_width=64),
+    # the same at 6 layers
+    "deep": dict(width=128, heads=4, layers=6, ffn=512, patch=(1, 2, 2), text_width=64),
+    # patches 1x4x4 (80 tokens of 64 values), 192 wide (6 heads of 32)
+    "wide": dict(width=192, heads=6, layers=4, ffn=768, patch=(1, 4, 4), text_width=64),
+}
+
+
+def build_video_pipeline(arch: str = "base", vae=None):
+    """The untrained video pipeline (float32, CPU) of :data:`ARCHITECTURES` ``arch``; ``vae``
+    (an ``AutoencoderKLWan``), when given, replaces the untrained one."""
     import diffusers
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from omni_diffusion.testing import VOCAB_SIZE, byte_tokenizer
-
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2], num_res_blocks=1,
-        temperal_downsample=[True], latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM,
-        scale_factor_temporal=2, scale_factor_spatial=2,
-    )
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r}: one of {', '.join(ARCHITECTURES)}")
+    a = ARCHITECTURES[arch]
+    if vae is None:
+        vae = diffusers.AutoencoderKLWan(
+            base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2], num_res_blocks=1,
+            temperal_downsample=[True], latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM,
+            scale_factor_temporal=2, scale_factor_spatial=2,
+        )
+    tokenizer = word_tokenizer(TEXT_LEN)
     text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=VOCAB_SIZE, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=3,
+        vocab_size=len(tokenizer), d_model=a["text_width"], d_ff=2 * a["text_width"], d_kv=16,
+        num_layers=2, num_heads=a["text_width"] // 16, relative_attention_num_buckets=8,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=3,
     ))
     transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=Z_DIM,
-        out_channels=Z_DIM, text_dim=32, freq_dim=64, ffn_dim=128, num_layers=3, rope_max_seq_len=32,
+        patch_size=a["patch"], num_attention_heads=a["heads"], attention_head_dim=a["width"] // a["heads"],
+        in_channels=Z_DIM, out_channels=Z_DIM, text_dim=a["text_width"], freq_dim=64, ffn_dim=a["ffn"],
+        num_layers=a["layers"], rope_max_seq_len=32,
     )
     pipe = diffusers.WanPipeline(
-        tokenizer=byte_tokenizer(TEXT_LEN), text_encoder=text_encoder, vae=vae,
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0), transformer=transformer,
     )
     pipe.set_progress_bar_config(disable=True)
@@ -144,66 +188,121 @@ def encode_clips(vae, clips: torch.Tensor, batch: int = 64) -> torch.Tensor:
 
 
 def _train_transformer(pipe, latents: torch.Tensor, digits: torch.Tensor, dirs: torch.Tensor,
-                       steps: int, batch: int, log, drop: float = 0.1) -> None:
+                       steps: int, batch: int, log, drop: float = 0.1, lr: float = 1e-3) -> None:
     transformer, text_encoder = pipe.transformer, pipe.text_encoder
     # prompt index: digit * 4 + direction; the last one is the empty prompt
     prompts = [video_prompt(d, m) for d in range(10) for m in DIRECTIONS] + [""]
     cond_all = digits * len(DIRECTIONS) + dirs
     params = list(transformer.parameters()) + list(text_encoder.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     transformer.train()
     text_encoder.train()
     n = len(latents)
     device = transformer.proj_out.weight.device  # (random draws stay on the CPU)
+    latents = latents.to(device)
     ema = None
     for step in range(steps):
         # the 41 prompts, encoded every step (the encoder learns) as WanPipeline encodes them
         embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
                                        max_sequence_length=TEXT_LEN, device=device)
         idx = torch.randint(0, n, (batch,))
-        x0 = latents[idx]
         cond = cond_all[idx].clone()
         cond[torch.rand(batch) < drop] = len(prompts) - 1
-        noise = torch.randn_like(x0)
+        noise = torch.randn(batch, *latents.shape[1:])
         # logit-normal times mixed with uniform ones
         sigma = torch.where(torch.rand(batch) < 0.5, torch.sigmoid(torch.randn(batch)), torch.rand(batch))
+        x0 = latents[idx.to(device)]
+        noise, sigma = noise.to(device), sigma.to(device)
         s = sigma[:, None, None, None, None]
-        x0, noise, s, sigma = x0.to(device), noise.to(device), s.to(device), sigma.to(device)
         xt = (1 - s) * x0 + s * noise
         pred = transformer(hidden_states=xt, timestep=sigma * 1000,
                            encoder_hidden_states=embeds[cond.to(device)], return_dict=False)[0]
-        loss = optimizer_step(opt, sched, torch.nn.functional.mse_loss(pred, noise - x0), params)
+        loss = torch.nn.functional.mse_loss(pred, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        # a running mean kept on the device: reading the loss every step would sync a GPU
+        loss = loss.detach()
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         if step % 100 == 0 or step == steps - 1:
-            log(f"transformer step {step:5d}  loss {ema:.4f}")
+            log(f"transformer step {step:5d}  loss {ema.item():.4f}")
     transformer.eval()
     text_encoder.eval()
 
 
+def steps_for_budget(pipe, latents, digits, dirs, batch: int, seconds: float, log, probe: int = 30) -> int:
+    """How many transformer steps of ``batch`` fit in ``seconds`` on the pipeline's device,
+    timed on a copy of the pipeline (``probe`` steps after 5 warm-up ones); the pipeline itself is
+    untouched, so a run given the returned count with ``--steps`` trains the same model."""
+    import copy
+
+    probe_pipe = copy.copy(pipe)
+    probe_pipe.transformer = copy.deepcopy(pipe.transformer)
+    probe_pipe.text_encoder = copy.deepcopy(pipe.text_encoder)
+    device = pipe.transformer.proj_out.weight.device
+
+    def run(n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.time()
+        _train_transformer(probe_pipe, latents, digits, dirs, n, batch, lambda _line: None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.time() - t0
+
+    state = torch.get_rng_state()
+    run(5)
+    per_step = run(probe) / probe
+    torch.set_rng_state(state)
+    steps = max(100, int(seconds / per_step))
+    log(f"{per_step * 1e3:.1f} ms a step at batch {batch}: {steps} steps fit {seconds:.0f} s")
+    return steps
+
+
 def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_steps: int = 150,
                 steps: int = 3000, batch: int = 32, vae_batch: int = 8,
-                init: str | Path | None = None, device: str = "cpu", log=print):
+                init: str | Path | None = None, vae_from: str | Path | None = None,
+                arch: str = "base", time_budget: float | None = None, lr: float = 1e-3,
+                device: str = "cpu", log=print):
     """Build (or load ``init``), train on ``device`` and save the video pipeline; returns it.
-    The stages are reseeded each, so the shipped model's separate commands (see the README)
-    give what one command gives."""
+
+    ``vae_from``: a saved video pipeline whose VAE (with its latent statistics) is taken as it
+    is, skipping stage 1; the transformer and text encoder of ``arch`` start untrained.
+    ``time_budget``: seconds for stage 2, turned into a step count (logged, replacing
+    ``steps``) by :func:`steps_for_budget`. The stages are reseeded each, so the shipped
+    model's separate commands (see the README) give what one command gives."""
     import diffusers
 
+    if init is not None and vae_from is not None:
+        raise ValueError("init and vae_from exclude each other: init continues a whole saved "
+                         "pipeline, vae_from starts a new transformer on a saved VAE")
+    if device.startswith("cuda"):
+        # TF32 matmuls: the tiny model's training is launch-bound anyway, and they cost nothing
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     _seed(seed)
     start = time.time()
     clips, digits, dirs = moving_digit_clips(seed)
-    if init is None:
-        pipe = build_video_pipeline().to(device)
+    trained_vae = False
+    if init is not None:
+        pipe = diffusers.WanPipeline.from_pretrained(init).to(device)
+        pipe.set_progress_bar_config(disable=True)
+    elif vae_from is not None:
+        vae = diffusers.AutoencoderKLWan.from_pretrained(vae_from, subfolder="vae")
+        pipe = build_video_pipeline(arch, vae=vae).to(device)
+    else:
+        pipe = build_video_pipeline(arch).to(device)
         _train_vae(pipe.vae, clips, vae_steps, vae_batch, log, window=WINDOW)
         if decoder_steps:
             _seed(seed)
             _train_vae(pipe.vae, clips, decoder_steps, vae_batch, log, decoder_only=True)
-    else:
-        pipe = diffusers.WanPipeline.from_pretrained(init).to(device)
-        pipe.set_progress_bar_config(disable=True)
+        trained_vae = True
     t_vae = time.time() - start
     lat = encode_clips(pipe.vae, clips)
-    if init is None:
+    if trained_vae:
         mean, std = lat.mean((0, 2, 3, 4)), lat.std((0, 2, 3, 4))
         pipe.vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
                                     latents_std=[round(v, 4) for v in std.tolist()])
@@ -217,11 +316,14 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
         f"std {cfg.latents_std}; reconstruction PSNR "
         f"{psnr(recon, clips[:64]):.1f} dB; "
         f"encoded in {time.time() - start - t_vae:.0f}s")
+    digits_t, dirs_t = torch.from_numpy(digits), torch.from_numpy(dirs)
+    if time_budget:
+        steps = steps_for_budget(pipe, latents, digits_t, dirs_t, batch, time_budget, log)
     if steps:  # (0: stage 1 alone, to be continued with ``init``)
         _seed(seed)
         t0 = time.time()
-        _train_transformer(pipe, latents, torch.from_numpy(digits), torch.from_numpy(dirs), steps,
-                           batch, log)
-        log(f"transformer trained in {time.time() - t0:.0f}s; total {time.time() - start:.0f}s")
+        _train_transformer(pipe, latents, digits_t, dirs_t, steps, batch, log, lr=lr)
+        log(f"transformer trained in {time.time() - t0:.0f}s ({steps} steps of {batch}, arch "
+            f"{arch!r}); total {time.time() - start:.0f}s")
     pipe.to("cpu").save_pretrained(out, safe_serialization=True)
     return pipe
