@@ -258,6 +258,74 @@ def tiny_flux_transformer():
     return model, inputs
 
 
+def _text_mask(lengths: tuple[int, ...], text: int) -> torch.Tensor:
+    """Bool ``[B, text]``: sample ``b``'s first ``lengths[b]`` tokens real, the rest padding."""
+    if any(not 1 <= n <= text for n in lengths):
+        raise ValueError(f"text_lengths {lengths}: each must be in [1, text={text}]")
+    return torch.arange(text)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def tiny_transformer(family: str, *, heads: int = 2, grid: tuple[int, int, int] = (1, 4, 4),
+                     text: int = 8, text_lengths: tuple[int, ...] = (8,), seed: int = 0, **config):
+    """A small random-weight transformer of ``family`` (fp32, CPU, eval) and keyword
+    inputs for one forward (``return_dict=False``); seeded, so two calls build
+    identical models and inputs.
+
+    Families: ``"qwen_image"`` (``QwenImageTransformer2DModel``, 2 blocks) and
+    ``"hunyuan_video"`` (``HunyuanVideoTransformer3DModel``, 2 dual + 2 single
+    blocks, 1 token-refiner block); head size 16, ``heads`` heads.
+
+    Args:
+        grid: the latent token grid after patching, ``(frames, height, width)``:
+            ``frames * height * width`` image tokens (Qwen-Image: ``frames`` must be 1).
+        text: text tokens per sample; ``text_lengths`` (one per sample: the batch
+            size) how many of them are real. A padded sample gets a text mask
+            (Qwen-Image ``encoder_hidden_states_mask``, HunyuanVideo
+            ``encoder_attention_mask``, bool ``[B, text]``); none is padded: no mask
+            for Qwen-Image, an all-True one for HunyuanVideo (it requires one).
+        config: transformer config overrides (``zero_cond_t=True`` for Qwen-Image:
+            a second, condition image of the same grid is appended to the image
+            tokens; ``image_condition_type="token_replace"`` for HunyuanVideo).
+    """
+    import diffusers
+
+    frames, height, width = grid
+    batch = len(text_lengths)
+    mask = _text_mask(tuple(text_lengths), text)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if family == "qwen_image":
+        if frames != 1:
+            raise ValueError(f"grid {grid}: Qwen-Image takes one frame")
+        fields = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                      num_attention_heads=heads, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+        model = diffusers.QwenImageTransformer2DModel(**{**fields, **config}).eval()
+        shapes = [(1, height, width)] * (2 if config.get("zero_cond_t") else 1)
+        tokens = sum(f * h * w for f, h, w in shapes)
+        inputs = dict(
+            hidden_states=torch.randn(batch, tokens, 16, generator=gen),
+            encoder_hidden_states=torch.randn(batch, text, 16, generator=gen),
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            timestep=torch.full((batch,), 0.6), img_shapes=[shapes] * batch, return_dict=False,
+        )
+    elif family == "hunyuan_video":
+        fields = dict(in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=16,
+                      num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=1,
+                      patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+                      pooled_projection_dim=8, rope_axes_dim=(4, 6, 6))
+        model = diffusers.HunyuanVideoTransformer3DModel(**{**fields, **config}).eval()
+        inputs = dict(
+            hidden_states=torch.randn(batch, 4, frames, height, width, generator=gen),
+            timestep=torch.full((batch,), 600.0),
+            encoder_hidden_states=torch.randn(batch, text, 16, generator=gen),
+            encoder_attention_mask=mask, pooled_projections=torch.randn(batch, 8, generator=gen),
+            guidance=torch.full((batch,), 6000.0), return_dict=False,
+        )
+    else:
+        raise ValueError(f"tiny_transformer: family {family!r} is not one of 'qwen_image', 'hunyuan_video'")
+    return model.requires_grad_(False), inputs
+
+
 def tiny_pipeline(family: str, seed: int = 0):
     """A tiny pipeline of ``family`` (see :data:`FAMILIES`), float32, on CPU, eval mode."""
     if family not in _BUILDERS:
@@ -343,4 +411,5 @@ def output_tensor(result: Any) -> torch.Tensor:
     raise TypeError(f"no images/frames in {type(result).__name__}")
 
 
-__all__ = ["FAMILIES", "byte_tokenizer", "output_tensor", "tiny_call_kwargs", "tiny_pipeline"]
+__all__ = ["FAMILIES", "byte_tokenizer", "output_tensor", "tiny_call_kwargs", "tiny_pipeline",
+           "tiny_transformer"]

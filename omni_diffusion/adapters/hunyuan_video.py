@@ -8,6 +8,27 @@
   the text carries a padding mask (a ``[B, 1, 1, S]`` key mask).
 * CFG: guidance-distilled (guidance embedding); ``true_cfg_scale > 1`` with a
   negative prompt adds separate calls in ``cache_context``.
+* Sequence parallelism (Ulysses, Ring, USP): the video tokens are split over
+  the ranks, the text tokens are replicated (the token refiner, which sees the
+  text alone, and the text stream run whole on every rank). Both block kinds
+  pass ``[local video, text]`` q/k/v to joint attention (the single-stream
+  blocks concatenate the two streams for their norm/MLP and split them around
+  attention by the text length, which is unchanged). Rotary ``(cos, sin)``,
+  each ``[S_video, D]``, covers the video tokens only and is cut to this
+  rank's; the dual blocks call it ``freqs_cis``, the single ones
+  ``image_rotary_emb``. The model builds one key mask ``[B, 1, 1, S_video + T]``
+  (video all True, text True up to each prompt's length) for every block: it
+  is cut to ``[local video, text]``, and sequence-parallel attention applies
+  its text part to the text keys: with Ulysses to the text + the group's video
+  keys, with Ring in the local step, the only one holding text keys (the
+  shards passed around are video keys, never padding). Token-replace
+  conditioning (image-to-video) modulates the first frame's tokens apart:
+  its count (``num_tokens``) becomes this rank's share of them.
+* Tensor parallelism: Q/K/V, the added text Q/K/V and the first MLP layers
+  column-split, output projections and second MLP layers row-split; the
+  single blocks' ``proj_out`` over ``[attention, MLP]`` is packed; the token
+  refiner's attention and MLP are split the same way. The per-head q/k
+  RMSNorms need nothing; the AdaLN modulation linears stay replicated.
 * Quantization skips the patch and context embedders (the latter holds the
   text token refiner), the timestep/guidance embedders, the final
   norm/projection and the AdaLN modulation linears.
@@ -29,6 +50,8 @@ from omni_diffusion.adapters.base import (
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
     modulated_norm_input,
 )
 
@@ -50,6 +73,34 @@ class HunyuanVideoAdapter(ModelAdapter):
     layout = SequenceLayout("joint", text_position="last", text_mask=True, image_dims="FHW")
     cfg = CFGInfo("distilled", guidance_embedded=True, true_cfg_argument="true_cfg_scale",
                   negative_arguments=("negative_prompt", "negative_prompt_embeds"))
+    sequence_parallel = SequenceParallelPlan(
+        joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+        rotary_arg=("freqs_cis", "image_rotary_emb"), rotary_seq_dim=0,
+        mask_arg="attention_mask", mask_seq_dim=-1,
+        leading_image_count_args=("num_tokens",),
+    )
+    tensor_parallel = TensorParallelPlan(
+        colwise=(
+            "transformer_blocks.*.attn.to_[qkv]",
+            "transformer_blocks.*.attn.add_[qkv]_proj",
+            "transformer_blocks.*.ff.net.0.proj",
+            "transformer_blocks.*.ff_context.net.0.proj",
+            "single_transformer_blocks.*.attn.to_[qkv]",
+            "single_transformer_blocks.*.proj_mlp",
+            "context_embedder.token_refiner.refiner_blocks.*.attn.to_[qkv]",
+            "context_embedder.token_refiner.refiner_blocks.*.ff.net.0.proj",
+        ),
+        rowwise=(
+            "transformer_blocks.*.attn.to_out.0",
+            "transformer_blocks.*.attn.to_add_out",
+            "transformer_blocks.*.ff.net.2",
+            "transformer_blocks.*.ff_context.net.2",
+            "context_embedder.token_refiner.refiner_blocks.*.attn.to_out.0",
+            "context_embedder.token_refiner.refiner_blocks.*.ff.net.2",
+        ),
+        # its input is cat([attention output, mlp hidden]), each column-split
+        packed_rowwise=("single_transformer_blocks.*.proj_out",),
+    )
     quant_skip = (
         "x_embedder.*",
         "context_embedder.*",
@@ -67,6 +118,11 @@ class HunyuanVideoAdapter(ModelAdapter):
 
     def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
         return HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS
+
+    def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
+        """A single block's ``proj_out`` input: the attention output (heads x head size), then the MLP."""
+        attention_width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        return [attention_width, linear.in_features - attention_width]
 
     # ------------------------------------------------------------------ LLM prompt stage
     # (omni_diffusion.ar: the Llama text encoder run in vLLM, and the prompt enhancer)

@@ -6,7 +6,26 @@
 * Sequence: joint attention with the text tokens first; the text stream
   carries a padding mask (``encoder_hidden_states_mask``) into attention.
 * CFG: ``true_cfg_scale > 1`` with a negative prompt runs separate
-  conditional / unconditional calls in ``cache_context``.
+  conditional / unconditional calls in ``cache_context`` (the negative prompt
+  is encoded to its own length: the two calls' text lengths may differ, which
+  CFG parallelism allows).
+* Sequence parallelism (Ulysses, Ring, USP): the image tokens are split over
+  the ranks, the text tokens are replicated (every rank runs the whole text
+  stream). The processor concatenates text then image q/k/v, so joint
+  attention sees ``[text, local image]``. Rotary comes as a pair
+  ``(image_freqs [S_image, D/2], text_freqs [T, D/2])`` (complex): the image
+  table is cut to this rank's tokens, the text table passes whole. The text
+  padding mask (``encoder_hidden_states_mask``, ``[B, T]``) is replicated and
+  reaches the processor unchanged; the processor builds the joint key mask
+  ``[B, 1, 1, T + n_local]`` with the local image keys all True, and
+  sequence-parallel attention applies its text part to the text keys (in the
+  local Ring step, the one holding them). ``modulate_index`` (``[B, S_image]``,
+  Qwen-Image-Edit-2511's per-token modulation choice) is cut like the image tokens.
+* Tensor parallelism: Q/K/V of both streams and the first MLP layers of both
+  streams column-split, the two output projections and second MLP layers
+  row-split (one all-reduce each); the per-head q/k RMSNorms need nothing. The
+  processor derives the head size as ``inner_dim // heads``, both of which
+  tensor parallelism divides. The modulation linears stay replicated.
 * Quantization skips the input projections, the timestep embedder, the final
   norm/projection and the per-block modulation linears (``img_mod``/``txt_mod``).
 * TeaCache: the first block's modulated image input (``img_norm1`` then
@@ -19,7 +38,15 @@ import torch
 from torch import nn
 
 from omni_diffusion.adapters import register_adapter
-from omni_diffusion.adapters.base import BlockCall, BlockList, CFGInfo, ModelAdapter, SequenceLayout
+from omni_diffusion.adapters.base import (
+    BlockCall,
+    BlockList,
+    CFGInfo,
+    ModelAdapter,
+    SequenceLayout,
+    SequenceParallelPlan,
+    TensorParallelPlan,
+)
 
 
 @register_adapter
@@ -31,6 +58,25 @@ class QwenImageAdapter(ModelAdapter):
     layout = SequenceLayout("joint", text_position="first", text_mask=True, image_dims="HW")
     cfg = CFGInfo("separate", true_cfg_argument="true_cfg_scale",
                   negative_arguments=("negative_prompt", "negative_prompt_embeds"))
+    sequence_parallel = SequenceParallelPlan(
+        joint_attention=("transformer_blocks.*.attn",),
+        rotary_arg="image_rotary_emb", rotary_seq_dim=0, rotary_text_entries=(1,),
+        image_token_args=("modulate_index",),
+    )
+    tensor_parallel = TensorParallelPlan(
+        colwise=(
+            "transformer_blocks.*.attn.to_[qkv]",
+            "transformer_blocks.*.attn.add_[qkv]_proj",
+            "transformer_blocks.*.img_mlp.net.0.proj",
+            "transformer_blocks.*.txt_mlp.net.0.proj",
+        ),
+        rowwise=(
+            "transformer_blocks.*.attn.to_out.0",
+            "transformer_blocks.*.attn.to_add_out",
+            "transformer_blocks.*.img_mlp.net.2",
+            "transformer_blocks.*.txt_mlp.net.2",
+        ),
+    )
     quant_skip = (
         "img_in",
         "txt_in",

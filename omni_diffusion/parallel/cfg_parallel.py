@@ -17,8 +17,11 @@ Two ways, from the adapter's :class:`~omni_diffusion.adapters.base.CFGInfo`:
   results: rank 1 fills the buffer it returned before (the pipeline holds it
   and combines only after the second call), rank 0 returns rank 1's result.
   The buffer's shape is learnt from a real conditional call the first time an
-  input shape is seen (rank 1 then computes that one call itself). Without
-  CFG every rank computes every call.
+  input shape is seen (rank 1 then computes that one call itself). The
+  unconditional call's inputs may differ in shape from the conditional one's
+  (Qwen-Image encodes the negative prompt to its own length); its output has
+  the conditional output's shape (both are the noise prediction for the same
+  latents). Without CFG every rank computes every call.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class _CallState:
     active: bool = False
     calls: int = 0
     cond: torch.Tensor | None = None
+    cond_output: Any = None  # rank 0: this step's conditional output, to rebuild from
     pending: torch.Tensor | None = None
     # input shapes -> (output shape, dtype, an output of that kind to rebuild from)
     known: dict = dataclasses.field(default_factory=dict)
@@ -131,6 +135,7 @@ def _separate_forward(original, state: _CallState, group, rank: int, *args, **kw
             tensor = _output_tensor(output)
             state.known[key] = (tuple(tensor.shape), tensor.dtype, output)
             state.cond = tensor
+            state.cond_output = output if rank == 0 else None
             state.pending = tensor if rank == 1 else None
             return output
         shape, dtype, like = known
@@ -141,17 +146,13 @@ def _separate_forward(original, state: _CallState, group, rank: int, *args, **kw
         output = original(*args, **kwargs)
         mine = _output_tensor(output)
     else:
-        output = state.known[key][2] if key in state.known else None
-        mine = state.cond
-        if output is None:
-            raise RuntimeError("cfg parallelism: the unconditional call's inputs differ in shape "
-                               "from the conditional call's")
+        output, mine = state.cond_output, state.cond
     both = all_gather_uneven(mine.unsqueeze(0).contiguous(), [1, 1], 0, group)
     if rank == 1:
         state.pending.copy_(both[0])
         state.pending = None
         return output
-    state.cond = None
+    state.cond, state.cond_output = None, None
     return _with_tensor(output, both[1].clone())
 
 
@@ -191,6 +192,7 @@ class _SeparateRuntime:
             not negatives or any(arguments.get(n) is not None for n in negatives))
         for state in self.states:
             state.active, state.calls, state.cond, state.pending = active, 0, None, None
+            state.cond_output = None
         try:
             result = original_call(pipe, *args, **kwargs)
         finally:

@@ -39,7 +39,8 @@ def ring_attention(query: torch.Tensor, local_key: torch.Tensor, local_value: to
         query: ``[B, Sq, H, D]``.
         local_key, local_value: ``[B, Sk, H, D]``, this rank's keys for step 0
             (they include ``ring_key``'s tokens: the own shard is not sent to itself).
-        local_mask: bool key-padding mask ``[B, Sk]`` for step 0, or None.
+        local_mask: bool key-padding mask ``[B, Sk]`` (or ``[B, 1, 1, Sk]``) for
+            step 0, or None; the ring shards carry no mask (their keys are all attended).
         ring_key, ring_value: ``[B, ring_sizes[rank], H, D]``, the shard passed around.
         ring_sizes: shard length of each ring rank.
         attend: runs one attention with LSE (see :data:`AttendFn`).

@@ -3,7 +3,10 @@
 The adapter's :class:`~omni_diffusion.adapters.base.TensorParallelPlan` names
 the layers. A **colwise** ``nn.Linear`` is replaced by a smaller ``nn.Linear``
 holding this rank's rows of the weight (output features ``[r*o/t, (r+1)*o/t)``:
-whole heads, so the attention module's ``heads`` is divided by ``t``). A
+whole heads, so the attention module's ``heads``, and its projection widths
+``inner_dim`` / ``inner_kv_dim`` / ``kv_inner_dim`` where it has them, are
+divided by ``t``: the module describes its shard, and processors that derive
+the head size from ``inner_dim // heads`` keep the right one). A
 **rowwise** one becomes a :class:`RowParallelLinear`: an ``nn.Linear`` with this
 rank's input columns and no bias, one all-reduce (sum) of its output, then the
 bias. So each attention and each MLP costs one all-reduce; Flux's single-stream
@@ -30,6 +33,9 @@ from torch import nn
 
 from omni_diffusion.adapters.base import ModelAdapter
 from omni_diffusion.parallel.comm import all_reduce_sum
+
+#: attention-module widths that scale with the heads (divided with them)
+HEAD_WIDTH_ATTRS = ("inner_dim", "inner_kv_dim", "kv_inner_dim")
 
 
 class RowParallelLinear(nn.Module):
@@ -116,8 +122,12 @@ def plan_tensor_parallel(transformer: nn.Module, adapter: ModelAdapter, size: in
     colwise = {name for name, _ in layers["colwise"]}
     for name, module in transformer.named_modules():
         heads = getattr(module, "heads", None)
-        if f"{name}.to_q" in colwise and isinstance(heads, int) and heads % size:
-            raise ValueError(f"tp={size} does not divide the {heads} heads of {name}")
+        if f"{name}.to_q" in colwise and isinstance(heads, int):
+            if heads % size:
+                raise ValueError(f"tp={size} does not divide the {heads} heads of {name}")
+            for attr, width in _head_widths(module):
+                if width % size:
+                    raise ValueError(f"tp={size} does not divide {name}.{attr} = {width}")
     for name, module in layers["colwise"]:
         if _linear(name, module).out_features % size:
             raise ValueError(f"tp={size} does not divide {name}'s {module.out_features} output features")
@@ -133,6 +143,11 @@ def plan_tensor_parallel(transformer: nn.Module, adapter: ModelAdapter, size: in
         if weight is None or weight.dim() != 1 or weight.numel() % size:
             raise ValueError(f"tp={size}: {name} is not an RMSNorm with a weight divisible by {size}")
     return layers
+
+
+def _head_widths(module: nn.Module) -> list[tuple[str, int]]:
+    return [(attr, getattr(module, attr)) for attr in HEAD_WIDTH_ATTRS
+            if type(getattr(module, attr, None)) is int]
 
 
 def enable_tensor_parallel(transformer: nn.Module, adapter: ModelAdapter, group, rank: int,
@@ -163,8 +178,11 @@ def enable_tensor_parallel(transformer: nn.Module, adapter: ModelAdapter, group,
         swaps.append((name, old, ShardedRMSNorm(_chunk(old.weight, 0, size, rank), eps,
                                                 old.weight.numel(), group)))
     colwise = {name for name, _ in layers["colwise"]}
-    heads = [(m, m.heads) for n, m in modules.items()
-             if f"{n}.to_q" in colwise and isinstance(getattr(m, "heads", None), int)]
+    sharded_attention = [m for n, m in modules.items()
+                         if f"{n}.to_q" in colwise and isinstance(getattr(m, "heads", None), int)]
+    # (module, attribute, unsharded value): heads and the widths that scale with them
+    counts = [(m, attr, value) for m in sharded_attention
+              for attr, value in [("heads", m.heads), *_head_widths(m)]]
 
     placed = []
     moved: list[tuple[torch.Tensor, torch.device]] = []
@@ -177,12 +195,12 @@ def enable_tensor_parallel(transformer: nn.Module, adapter: ModelAdapter, group,
             if t.device.type != "cpu":
                 moved.append((t, t.device))
                 t.data = t.data.to("cpu")
-    for module, count in heads:
-        module.heads = count // size
+    for module, attr, value in counts:
+        setattr(module, attr, value // size)
 
     def undo() -> None:
-        for module, count in heads:
-            module.heads = count
+        for module, attr, value in counts:
+            setattr(module, attr, value)
         for t, device in moved:
             t.data = t.data.to(device)
         for parent, attr, old in placed:

@@ -10,9 +10,12 @@ rank ``s = ring_rank * ulysses + ulysses_rank`` holds tokens
 ``split_sizes(S, ulysses*ring)[s]`` (``torch.tensor_split``'s uneven split:
 any length works, no padding). **Text tokens are replicated** on every rank:
 they are short, and the text stream's per-token layers (norms, MLPs,
-modulation) then run without communication. Rotary tables a block receives
-for the whole sequence are cut to the local tokens per block (adapter's
-:class:`~omni_diffusion.adapters.base.SequenceParallelPlan`).
+modulation) then run without communication. Per-token block arguments
+(the adapter's :class:`~omni_diffusion.adapters.base.SequenceParallelPlan`)
+follow the tokens: rotary tables and a key-padding mask a block receives for
+the whole sequence are cut to the local tokens (a rotary table over the text
+alone passes whole), per-image-token tensors are narrowed like the hidden
+states, and counts of leading image tokens become this shard's count.
 
 Attention (:class:`SequenceParallelAttention`, per attention module)
 --------------------------------------------------------------------
@@ -27,6 +30,14 @@ of this rank's heads to every Ulysses peer in the same message, so each rank
 ends with the full text output, as the replicated text stream needs.
 Cross-attention modules (image queries, text keys: Wan's ``attn2``) are left
 alone: their keys are replicated and their queries local.
+
+Text padding masks (families whose ``layout.text_mask`` is set): the mask
+arriving with the local q/k/v covers text + local image keys, its image part
+all True. With a 1-rank Ulysses group the keys are those same tokens and the
+mask goes to attention as it is (Ring uses it in its local step, the only one
+holding text keys; later steps bring image keys only, which are never
+padding). With Ulysses the keys become the text + the group's image tokens:
+the mask is rebuilt from its text part, with every image key attended.
 
 At degree 1 (``force_sequence_parallel``) this same path runs the ops of
 plain execution and nothing more: the shard is the whole tensor (no cut, no
@@ -56,6 +67,7 @@ from omni_diffusion.parallel.config import offsets, split_sizes
 from omni_diffusion.parallel.ring import ring_attention
 from omni_diffusion.parallel.ulysses import head_slices, heads_to_sequence, sequence_to_heads
 from omni_kernels.attention import attention
+from omni_kernels.attention.registry import normalize_key_padding_mask
 
 SP_BACKEND_NAME = "omni_sp"
 
@@ -144,8 +156,10 @@ class SequenceParallelAttention:
     Called as ``(query, key, value, attn_mask=None, scale=None)`` with
     ``[B, S_local, H, D]`` tensors (diffusers' layout); returns the same shape.
     ``joint``: the tokens are text + image (``text_first`` says the order);
-    otherwise image only. ``backend``: the omni attention backend (None: omni's
-    per-call choice).
+    otherwise image only. ``text_mask``: a boolean key-padding mask over the
+    local tokens whose image part is all True may come with joint q/k/v (its
+    text part is applied; see the module docstring); otherwise a mask is
+    refused. ``backend``: the omni attention backend (None: omni's per-call choice).
 
     A 1-rank Ulysses group leaves q/k/v as they come (no stack, no text/image
     split: every head and all of the group's tokens are here); a 1-rank ring
@@ -153,12 +167,13 @@ class SequenceParallelAttention:
     """
 
     def __init__(self, groups: SequenceGroups, state: SequenceState, *, joint: bool,
-                 text_first: bool, backend: str | None) -> None:
+                 text_first: bool, backend: str | None, text_mask: bool = False) -> None:
         self.groups = groups
         self.state = state
         self.joint = joint
         self.text_first = text_first
         self.backend = backend
+        self.text_mask = text_mask
 
     def _attend(self, scale):
         def attend(q, k, v, mask):
@@ -175,9 +190,6 @@ class SequenceParallelAttention:
         if split is None:
             raise RuntimeError("sequence-parallel attention ran outside the sharded blocks "
                                "(no image split is known)")
-        if attn_mask is not None:
-            raise ValueError("sequence-parallel attention takes no attention mask (the families "
-                             "it supports pass none)")
         groups = self.groups
         text = self.state.text_len if self.joint else 0
         mine = split.mine
@@ -188,6 +200,7 @@ class SequenceParallelAttention:
                 f"and equal heads; got q {tuple(query.shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)}"
             )
+        mask = None if attn_mask is None else self._key_mask(attn_mask, query.shape[0], text, split)
         image_start = text if self.text_first else 0
         if groups.ulysses_size == 1:
             q, k, v = query, key, value
@@ -196,15 +209,36 @@ class SequenceParallelAttention:
         else:
             q, k, v, ring_key, ring_value = self._heads_of_group(query, key, value, text, split)
         if groups.ring_size > 1:
-            out = ring_attention(q, k, v, None, ring_key, ring_value, split.ring_sizes,
+            out = ring_attention(q, k, v, mask, ring_key, ring_value, split.ring_sizes,
                                  groups.ring_rank, groups.ring_group, self._attend(scale))
         elif q.shape[2] == 0:
             out = q.clone()  # more Ulysses ranks than heads: this rank has none
         else:  # no partials to merge: no LSE needed
-            out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale)
+            out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale, attn_mask=mask)
         if groups.ulysses_size == 1:
             return out
         return self._sequence_of_rank(out, text, split, query.shape[2])
+
+    def _key_mask(self, attn_mask: torch.Tensor, batch: int, text: int, split: ImageSplit):
+        """The key-padding mask for the keys this rank attends to in its local step.
+
+        ``attn_mask``: bool, ``[B, T + mine]`` or ``[B, 1, 1, T + mine]`` over the local
+        tokens in layout order, image part all True. With a 1-rank Ulysses group it is
+        returned as it is (attention normalizes it); otherwise ``[B, T + n_group]``:
+        its text part and the group's image keys, all attended.
+        """
+        if not (self.text_mask and text):
+            what = "joint attention of a family whose layout declares a text padding mask" \
+                if not self.text_mask else "joint attention over text tokens"
+            raise ValueError(f"sequence-parallel attention got an attention mask of shape "
+                             f"{tuple(attn_mask.shape)}; it takes one only in {what} "
+                             "(SequenceLayout.text_mask)")
+        if self.groups.ulysses_size == 1:
+            return attn_mask
+        local = normalize_key_padding_mask(attn_mask, batch, text + split.mine)
+        text_part = local.narrow(1, 0 if self.text_first else split.mine, text)
+        image_part = text_part.new_ones(batch, sum(split.ulysses_sizes))
+        return torch.cat([text_part, image_part] if self.text_first else [image_part, text_part], dim=1)
 
     def _heads_of_group(self, query, key, value, text: int, split: ImageSplit):
         """Ulysses forward exchange: ``[B, T + mine, H, D]`` q/k/v to ``[B, T + n_group,
@@ -317,25 +351,30 @@ def _set_arg(call: BlockCall, args: tuple, kwargs: dict, name: str, value: Any) 
     return args, kwargs
 
 
-class _RotaryCutter:
-    """Cuts the whole-sequence rotary tables to this rank's tokens, once per forward
-    (the blocks of one forward get the same table objects); a table this rank holds
-    whole is passed on as it is."""
+class _TokenTableCutter:
+    """Cuts a table over the whole sequence (rotary tables, a key-padding mask) to this
+    rank's tokens along ``dim``, once per forward (the blocks of one forward get the same
+    table objects); a table this rank holds whole is passed on as it is.
 
-    def __init__(self, plan, text_first: bool, groups: SequenceGroups, state: SequenceState) -> None:
-        self.plan, self.text_first, self.groups, self.state = plan, text_first, groups, state
+    ``covers_text``: the table spans text and image tokens in the layout's order, else
+    the image tokens alone. ``whole_entries``: positions, in a tuple of tables, of
+    tables passed whole (tables over the replicated text alone).
+    """
+
+    def __init__(self, dim: int, covers_text: bool, whole_entries: tuple[int, ...], text_first: bool,
+                 state: SequenceState, what: str) -> None:
+        self.dim, self.covers_text, self.whole_entries = dim, covers_text, whole_entries
+        self.text_first, self.state, self.what = text_first, state, what
         self._key: tuple = (None, None, None, None)  # (value, its tensors, text, split)
         self._value: Any = None
 
     def _cut(self, table: torch.Tensor, text: int, split: ImageSplit) -> torch.Tensor:
-        dim = self.plan.rotary_seq_dim
+        dim = self.dim
         full = split.total
-        text = text if self.plan.rotary_covers_text else 0
+        text = text if self.covers_text else 0
         if table.shape[dim] != full + text:
-            raise ValueError(f"rotary table of length {table.shape[dim]} along dim {dim}; expected "
+            raise ValueError(f"{self.what} of length {table.shape[dim]} along dim {dim}; expected "
                              f"{full} image + {text} text tokens")
-        if split.whole:
-            return table
         start, mine = split.start, split.mine
         if not text:
             return table.narrow(dim, start, mine)
@@ -343,22 +382,32 @@ class _RotaryCutter:
             return torch.cat([table.narrow(dim, 0, text), table.narrow(dim, text + start, mine)], dim)
         return torch.cat([table.narrow(dim, start, mine), table.narrow(dim, full, text)], dim)
 
-    def __call__(self, value: Any, text: int) -> Any:
+    def _cut_all(self, value: Any, tensors: tuple, text: int, split: ImageSplit) -> Any:
+        cut = [t if i in self.whole_entries else self._cut(t, text, split)
+               for i, t in enumerate(tensors)]
+        return type(value)(cut) if isinstance(value, (tuple, list)) else cut[0]
+
+    def __call__(self, value: Any, text: int) -> tuple[Any, bool]:
+        """``(the tables for this rank's tokens, whether they differ from value)``."""
         split = self.state.split
+        if split.whole or all(i in self.whole_entries for i in range(_entries(value))):
+            return value, False
         tensors = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if torch.compiler.is_compiling():  # no identity cache in a graph: the cut is traced ops
+            return self._cut_all(value, tensors, text, split), True
         last, last_tensors, last_text, last_split = self._key
         # the same tables (by identity: a list may be refilled) for the same tokens
         if (value is last and last_text == text and last_split is split
                 and len(tensors) == len(last_tensors)
                 and all(a is b for a, b in zip(tensors, last_tensors))):
-            return self._value
-        cut = [self._cut(t, text, split) for t in tensors]
-        if all(c is t for c, t in zip(cut, tensors)):
-            result = value
-        else:
-            result = type(value)(cut) if isinstance(value, (tuple, list)) else cut[0]
+            return self._value, True
+        result = self._cut_all(value, tensors, text, split)
         self._key, self._value = (value, tensors, text, split), result
-        return result
+        return result, True
+
+
+def _entries(value: Any) -> int:
+    return len(value) if isinstance(value, (tuple, list)) else 1
 
 
 def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, groups: SequenceGroups,
@@ -385,20 +434,28 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
         raise ValueError(f"{type(transformer).__name__}: no attention module matches the "
                          f"{adapter.name} sequence-parallel plan {plan}")
     state = SequenceState()
+    # (argument names, the first of which a block has; the cutter of their tables)
+    cutters = []
+    if plan.rotary_args:
+        cutters.append((plan.rotary_args, _TokenTableCutter(
+            plan.rotary_seq_dim, plan.rotary_covers_text, plan.rotary_text_entries, text_first,
+            state, "rotary table")))
+    if plan.mask_arg:
+        cutters.append(((plan.mask_arg,), _TokenTableCutter(
+            plan.mask_seq_dim, True, (), text_first, state, "attention mask")))
     undos = []
     try:
         for module, joint in targets:
             sp = SequenceParallelAttention(groups, state, joint=joint, text_first=text_first,
-                                           backend=backend)
+                                           backend=backend, text_mask=adapter.layout.text_mask)
             undos.append(adapter.apply_parallel_attention(module, sp))
-        cutter = _RotaryCutter(plan, text_first, groups, state) if plan.rotary_arg else None
         first_block = lists[0][1][0]
         last_spec, last_list = lists[-1]
         for spec, module_list in lists:
             for block in module_list:
+                block_call(block, (), {})  # reads the signature now, not while compile traces the hook
                 hook = functools.partial(_before_block, spec=spec, first=block is first_block,
-                                         groups=groups, state=state, cutter=cutter,
-                                         rotary_arg=plan.rotary_arg,
+                                         groups=groups, state=state, plan=plan, cutters=cutters,
                                          joint=adapter.layout.attention == "joint")
                 undos.append(block.register_forward_pre_hook(hook, with_kwargs=True).remove)
         after = functools.partial(_after_last_block, spec=last_spec, groups=groups, state=state)
@@ -415,29 +472,49 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
     return undo_all
 
 
-def _before_block(block, args, kwargs, *, spec, first, groups, state, cutter, rotary_arg, joint):
+def _before_block(block, args, kwargs, *, spec, first, groups, state, plan, cutters, joint):
     """Per block: the first block cuts the image tokens (planned once per length); every
-    block records its text length and gets rotary tables for its tokens. Returns None
-    (the arguments stand) when nothing had to change, as at degree 1."""
+    block records its text length and gets its per-token arguments for its tokens.
+    Returns None (the arguments stand) when nothing had to change, as at degree 1."""
     call = block_call(block, args, kwargs)
-    changed = False
+    updates: dict[str, Any] = {}
     if first:
         hidden = call.get(spec.hidden_arg)
         split = state.split = groups.split(hidden.shape[1])
         if not split.whole:
-            args, kwargs = _set_arg(call, args, kwargs, spec.hidden_arg,
-                                    hidden.narrow(1, split.start, split.mine))
-            changed = True
+            updates[spec.hidden_arg] = hidden.narrow(1, split.start, split.mine)
+    split = state.split
     encoder = call.get(spec.encoder_arg) if joint else None
     state.text_len = 0 if encoder is None else encoder.shape[1]
-    if cutter is not None:
-        rotary = call.get(rotary_arg)
-        if rotary is not None:
-            cut = cutter(rotary, state.text_len)
-            if cut is not rotary:
-                args, kwargs = _set_arg(call, args, kwargs, rotary_arg, cut)
-                changed = True
-    return (args, kwargs) if changed else None
+    for names, cutter in cutters:
+        for name in names:
+            value = call.get(name)
+            if value is not None:
+                cut, changed = cutter(value, state.text_len)
+                if changed:
+                    updates[name] = cut
+                break
+    if not split.whole:
+        for name in plan.image_token_args:
+            value = call.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != split.total:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{type(block).__name__} argument {name}: expected [B, {split.total}, "
+                                 f"...] (one entry per image token), got {shape}")
+            updates[name] = value.narrow(1, split.start, split.mine)
+        for name in plan.leading_image_count_args:
+            value = call.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{type(block).__name__} argument {name}: expected an int count of "
+                                 f"leading image tokens, got {type(value).__name__}")
+            updates[name] = min(max(value - split.start, 0), split.mine)
+    for name, value in updates.items():
+        args, kwargs = _set_arg(call, args, kwargs, name, value)
+    return (args, kwargs) if updates else None
 
 
 def _after_last_block(block, args, kwargs, output, *, spec, groups, state):

@@ -83,9 +83,49 @@ def pipeline_case(rank, world, family, config, steps=2, cfg=True, overrides=None
                 param_fraction=params / full_params)
 
 
-def bad_config_case(rank, world, family, config, hide_vae_module=False):
+def transformer_case(rank, world, family, config, options):
+    """A tiny bare transformer (``omni_diffusion.testing.tiny_transformer(family, **options)``)
+    parallelized by ``config``, against its single-process forward on the same inputs.
+    Returns max abs diff, max |ref|, the diff after undo, and ``text_mask_effect``: how
+    much the output moves when the text mask is replaced by all-True (None without a
+    padded sample), which shows that the mask is exercised."""
+    from omni_diffusion.parallel import parallelize
+    from omni_diffusion.testing import tiny_transformer
+
+    model, inputs = tiny_transformer(family, **options)
+    mask_arg = "encoder_hidden_states_mask" if family == "qwen_image" else "encoder_attention_mask"
+
+    def forward(**changes):
+        with torch.no_grad():
+            return model(**{**inputs, **changes})[0].float()
+
+    ref = forward()
+    mask = inputs.get(mask_arg)
+    effect = None
+    if mask is not None and not bool(mask.all()):
+        effect = (forward(**{mask_arg: torch.ones_like(mask)}) - ref).abs().max().item()
+    undo = parallelize(model, ParallelConfig(**config), device_type="cpu")
+    try:
+        out = forward()
+    finally:
+        undo()
+    again = forward()
+    return dict(diff=(out - ref).abs().max().item(), scale=ref.abs().max().item(),
+                after_undo=(again - ref).abs().max().item(), text_mask_effect=effect)
+
+
+def _without_parallel_plans(adapter):
+    """An instance of ``adapter``'s class minus its sequence/tensor-parallel plans
+    (a family that declares none); not registered."""
+    cls = type(f"{type(adapter).__name__}WithoutPlans", (type(adapter),),
+               {"sequence_parallel": None, "tensor_parallel": None})
+    return cls()
+
+
+def bad_config_case(rank, world, family, config, hide_vae_module=False, strip_plans=False):
     """The error a bad config raises (its message), checked to come before any collective.
-    ``hide_vae_module``: behave as if ``omni_diffusion.vae_parallel`` were not installed."""
+    ``hide_vae_module``: behave as if ``omni_diffusion.vae_parallel`` were not installed;
+    ``strip_plans``: use the family's adapter without its parallel plans."""
     import sys
 
     import torch.distributed as dist
@@ -93,14 +133,16 @@ def bad_config_case(rank, world, family, config, hide_vae_module=False):
     if hide_vae_module:
         sys.modules["omni_diffusion.vae_parallel"] = None  # find_spec answers None
 
+    from omni_diffusion.adapters import adapter_for
     from omni_diffusion.parallel import parallelize
     from omni_diffusion.testing import tiny_pipeline
 
     pipe = tiny_pipeline(family)
+    adapter = _without_parallel_plans(adapter_for(pipe)) if strip_plans else None
     # A collective only rank 0 would enter would hang the others: every rank
     # must fail at the same point, so each reports its own message.
     try:
-        parallelize(pipe, ParallelConfig(**config), device_type="cpu")
+        parallelize(pipe, ParallelConfig(**config), adapter=adapter, device_type="cpu")
     except (ValueError, ImportError) as exc:
         message = f"{type(exc).__name__}: {exc}"
     else:

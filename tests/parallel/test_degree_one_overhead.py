@@ -23,7 +23,7 @@ def _is_collective(name: str) -> bool:
     return name.startswith(("c10d", "_c10d_functional", "gloo", "nccl", "PythonSubclass"))
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "qwen_image", "hunyuan_video"])
 def test_sequence_parallel_path_at_degree_one_adds_no_ops(pools, family):
     (plain, sp, diff), = pools(1).run("op_count_case", family)
     assert diff == 0.0
