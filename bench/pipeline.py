@@ -20,7 +20,15 @@ Variants (each applied to the same model and undone before the next):
 (b) ``diffusers_compile``: ``transformer.compile_repeated_blocks(fullgraph=True)`` (inductor).
 (c) ``omni_lossless``: ``omni_diffusion.accelerate(AccelConfig(attention="auto", compile=True))``:
     omni's attention registry (its per-GPU auto choice) + regional compile.
-(d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization).
+(d0) ``omni_fp8_unfused``: (c) + ``quant="fp8"`` with ``fuse_projections=False``: every
+    q/k/v projection quantizes its input and runs its GEMM on its own.
+(d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization), its
+    defaults: the attention q/k/v triples fused into one linear each (one activation
+    quantization, one GEMM), and under compile the activation quantization as torch ops that
+    Inductor fuses into the LayerNorm/modulation/GELU producing the input.
+(d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
+    activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
+    Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
 (e) ``omni_fp8_sage``: (d) with omni's quantized attention (``attention="omni_sage"``,
     lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
 (f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
@@ -69,14 +77,19 @@ if str(REPO_ROOT) not in sys.path:
 
 from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
 
-VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8", "omni_fp8_sage", "fp8_sageattention")
+VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
+            "omni_fp8_sage", "fp8_sageattention")
+#: run unless --variants names others (each compiled variant costs minutes of compilation)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "omni_fp8_kernel_quant")
 # Quantized-attention variants: the attention backend each one names.
 _QUANTIZED_ATTENTION = {"omni_fp8_sage": "omni_sage", "fp8_sageattention": "sageattention"}
 VARIANT_LABELS = {
     "eager": "(a) diffusers eager",
     "diffusers_compile": "(b) diffusers compile_repeated_blocks",
     "omni_lossless": "(c) omni attention + regional compile",
+    "omni_fp8_unfused": "(d0) (c) + FP8 linears, q/k/v not fused",
     "omni_fp8": "(d) (c) + FP8 linears",
+    "omni_fp8_kernel_quant": "(d1) (d), activation quantization as omni's kernel op",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
 }
@@ -227,6 +240,19 @@ def _check_fp8(device: torch.device) -> None:
         raise Skip(f"FP8 linears cannot run here: {reason}")
 
 
+def _kernel_activation_backend(device: torch.device) -> str:
+    """omni's activation-quantization kernel that takes Flux's bf16 linear inputs here."""
+    if device.type != "cuda":
+        raise Skip("omni's activation-quantization kernels need a GPU")
+    from omni_kernels.quant import supported_backends
+
+    reasons = supported_backends(torch.empty(4608, 3072, device=device, dtype=torch.bfloat16), "fp8")
+    for backend in ("cuda", "triton"):
+        if reasons[backend] is None:
+            return backend
+    raise Skip(f"no activation-quantization kernel: {reasons}")
+
+
 def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[], None]:
     """Apply ``variant`` to ``model``; returns its undo. Raises :class:`Skip`."""
     import omni_diffusion as od
@@ -248,9 +274,14 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         quant["quant_options"] = {"activation_backend": "torch"}
     if variant == "omni_lossless":
         config = _omni_config(attention="auto", **common)
-    elif variant == "omni_fp8":
+    elif variant in ("omni_fp8", "omni_fp8_unfused", "omni_fp8_kernel_quant"):
         _check_fp8(device)
-        config = _omni_config(attention="auto", **quant, **common)
+        options = dict(quant.pop("quant_options", {}))
+        if variant == "omni_fp8_unfused":
+            options["fuse_projections"] = False
+        if variant == "omni_fp8_kernel_quant":
+            options["activation_backend"] = _kernel_activation_backend(device)
+        config = _omni_config(attention="auto", quant_options=options, **quant, **common)
     elif variant in _QUANTIZED_ATTENTION:
         _check_fp8(device)
         from omni_kernels.attention import get_backend
@@ -412,6 +443,9 @@ def targets(rows: list[dict]) -> list[str]:
                          f"{'MET' if ok else 'NOT MET'}")
         else:
             lines.append(f"Flux (d): {flux_d.get('status')}")
+    flux_d0 = by.get((MODELS["flux"].name, "omni_fp8_unfused"))
+    if flux_d is not None and flux_d0 is not None and "ok" == flux_d.get("status") == flux_d0.get("status"):
+        lines.append(f"Flux q/k/v fusion: (d0) {flux_d0['step_ms']:.1f} ms -> (d) {flux_d['step_ms']:.1f} ms")
     wan_e = by.get((MODELS["wan"].name, "omni_fp8_sage"))
     if wan_e is not None:
         if wan_e.get("status") == "ok" and wan_e.get("speedup") is not None:
@@ -466,7 +500,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=default_models)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     parser.add_argument("--warmup", type=int, default=None, help="warm-up calls (default per model)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default per model)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

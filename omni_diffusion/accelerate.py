@@ -15,9 +15,12 @@ What is applied, to every denoiser the family's adapter names
 (:mod:`omni_diffusion.adapters`), in this order:
 
 1. ``quant``: :func:`omni_diffusion.quantization.quantize` swaps the linear
-   layers in place, skipping the adapter's patterns plus ``quant_skip``. The
-   original linear modules are kept (their weights moved to CPU memory while
-   quantized, when they were on a GPU) and put back by :func:`undo`.
+   layers in place, skipping the adapter's patterns plus ``quant_skip``, and
+   (W8A8, unless ``quant_options={"fuse_projections": False}``) fusing the
+   attention q/k/v projections the adapter declares. The original linear
+   modules are kept (their weights moved to CPU memory while quantized, when
+   they were on a GPU) and put back by :func:`undo`, which also removes the
+   fused layers and restores the attention processors.
 2. ``attention``: omni's attention through the adapter (diffusers' attention
    dispatcher pointed at omni's backend; SD3 gets an omni processor).
    ``"auto"`` lets omni pick per GPU and shape.
@@ -285,7 +288,7 @@ def _module_device(module: nn.Module) -> torch.device | None:
 
 def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
     try:
-        from omni_diffusion.quantization import QuantConfig, quantize
+        from omni_diffusion.quantization import QuantConfig, quantize, unfuse_projections
     except ImportError as exc:
         raise ImportError(
             f"quant={config.quant!r} needs omni_diffusion.quantization, which does not import: {exc}"
@@ -306,7 +309,7 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
         if child is not None
     ]
     try:
-        quantize(transformer, QuantConfig(**fields))
+        quantize(transformer, QuantConfig(**fields), adapter=adapter)
     except BaseException:  # failed part-way: put back what was swapped
         for parent, n, old in before:
             if parent._modules.get(n) is not old:
@@ -316,7 +319,8 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
     if not swapped:
         logger.warning("quant=%r changed no layer of %s", config.quant, type(transformer).__name__)
     # Keep the originals for undo without holding GPU memory: their tensors go
-    # to CPU unless the new module shares them (a bias, say).
+    # to CPU unless the new module shares them (a bias, say). Projections fused
+    # into one layer (QuantConfig.fuse_projections) were removed: kept here too.
     new_storages = set()
     for parent, n, _ in swapped:
         new = parent._modules.get(n)
@@ -335,6 +339,8 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
             t.data = t.data.to(device)
         for parent, n, old in swapped:
             setattr(parent, n, old)
+        # the separate q/k/v are back: drop the fused layers, restore flags and processors
+        unfuse_projections(transformer)
 
     return undo
 

@@ -26,6 +26,21 @@ Which layers are quantized (:func:`plan_quantization`), for each ``nn.Linear`` b
    the layer (the caller asked for that very layer);
 5. otherwise quantized.
 
+Projections that read one input (an attention's ``to_q``/``to_k``/``to_v``,
+and its ``add_q/k/v_proj`` over the text) can be fused before quantizing
+(``QuantConfig.fuse_projections``, on by default for W8A8): where the model
+family's adapter declares them (:attr:`omni_diffusion.adapters.base.ModelAdapter.fusable_attention`),
+the attention module's own diffusers ``fuse_projections()`` builds ``to_qkv``
+(``to_added_qkv``), the three separate layers are removed, and the fused layer
+is quantized, so one activation quantization and one GEMM serve q, k and v. A
+triple is fused only when all three layers would be quantized (a ``skip`` or
+``include`` pattern naming one of them keeps the three separate). Fusing
+changes no number: per-token activation scales depend on the shared input
+only, per-output-channel weight scales on their own row. Tensor parallelism
+(:mod:`omni_diffusion.parallel`) shards the separate ``to_q/k/v`` first
+(``accelerate()`` orders it so); fusing then concatenates this rank's shards,
+whose ``chunk(3)`` are this rank's heads of q, k and v, so the two compose.
+
 A ``skip`` or ``include`` pattern that matches no module at all raises
 ``ValueError`` (a typo would otherwise silently quantize a layer meant to stay
 bf16). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
@@ -50,6 +65,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -63,6 +79,9 @@ from omni_kernels.quant import (
     fp8_unsupported_reason,
 )
 
+if TYPE_CHECKING:
+    from omni_diffusion.adapters.base import ModelAdapter
+
 logger = logging.getLogger(__name__)
 
 # No model-specific defaults here: callers (the runtime's model adapters) pass the measured
@@ -72,6 +91,14 @@ _FORMAT = "omni-quant/1"
 _METADATA_FORMAT_KEY = "omni_quant_format"
 _METADATA_LAYERS_KEY = "omni_quant_layers"
 _METADATA_CONFIG_KEY = "omni_quant_config"
+_METADATA_FUSED_KEY = "omni_quant_fused_attention"
+# The projections diffusers' fuse_projections() merges: fused layer, then its members in output order.
+_FUSED_PROJECTIONS = (
+    ("to_qkv", ("to_q", "to_k", "to_v")),
+    ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+)
+# Where quantize() records the attention modules it fused (module.__dict__, not a submodule).
+_FUSION_RECORD_ATTR = "_omni_fused_attention"
 
 
 @dataclass(frozen=True)
@@ -99,6 +126,21 @@ class QuantConfig:
             accumulation over all of K), ``False`` (promoted to float32 after every MMA)
             or ``"auto"`` (fast only up to ``K = 8192``, measured: see
             ``omni_kernels.quant.linear.FAST_ACCUM_MAX_K``).
+        fuse_projections: fuse the attention projections that read one input
+            (q/k/v, and the added text q/k/v) into one layer each before
+            quantizing, where the model's adapter declares them (module
+            docstring): one activation quantization and one GEMM instead of
+            three, the same numbers. ``None`` (default): on for the W8A8
+            methods, off for weight-only ones (no activation quantization to
+            save). Not yet timed on a GPU: ``bench/pipeline.py`` rows (d) and
+            (d0) compare the two.
+
+    ``activation_backend="auto"`` runs omni's CUDA/Triton kernel in eager mode
+    and, under ``torch.compile``, the reference's plain torch ops, which Inductor
+    fuses into the kernel producing the layer's input (the LayerNorm + adaLN
+    modulation, the GELU) instead of writing that input in 16 bits and reading it
+    back; ``"torch"`` asks for the torch ops in eager mode too (slow there: the
+    float32 reference), ``"cuda"``/``"triton"`` for the kernel under compile too.
     """
 
     method: str = "fp8"
@@ -109,6 +151,7 @@ class QuantConfig:
     activation_backend: str = "auto"
     clamp: float | None = None
     fast_accum: bool | str = "auto"
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -133,10 +176,20 @@ class QuantConfig:
             object.__setattr__(self, "clamp", float(self.clamp))
         if not (isinstance(self.fast_accum, bool) or self.fast_accum == "auto"):
             raise ValueError(f"QuantConfig.fast_accum must be True, False or 'auto'; got {self.fast_accum!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(
+                f"QuantConfig.fuse_projections must be True, False or None (on for W8A8 methods); "
+                f"got {self.fuse_projections!r}"
+            )
 
     @property
     def weight_only(self) -> bool:
         return self.method.endswith("_weight_only")
+
+    @property
+    def fuses_projections(self) -> bool:
+        """``fuse_projections`` with ``None`` resolved (on for W8A8 methods)."""
+        return self.fuse_projections if self.fuse_projections is not None else not self.weight_only
 
     @classmethod
     def from_dict(cls, data: dict) -> QuantConfig:
@@ -278,7 +331,185 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def quantize(module: nn.Module, config: QuantConfig | dict | None = None) -> nn.Module:
+# --------------------------------------------------------------------------- projection fusion
+
+
+@dataclass
+class _FusedAttention:
+    """One attention module whose projections :func:`quantize` fused, and what it changed."""
+
+    name: str
+    processor: Any  # the processor before fusion
+    own_flag: bool  # whether ``fused_projections`` was an instance attribute before
+    flag: Any
+
+
+def _resolve_adapter(module: nn.Module, adapter: ModelAdapter | None) -> ModelAdapter | None:
+    if adapter is not None:
+        return adapter
+    from omni_diffusion.adapters import adapter_for_transformer
+
+    try:
+        return adapter_for_transformer(module)
+    except ValueError:  # not a registered family: nothing declared to fuse
+        return None
+
+
+def _fusion_groups(attn: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
+    """The ``(fused name, members)`` pairs ``attn.fuse_projections()`` would build, or None
+    when it cannot fuse ``attn`` the way the processors read it (not self-attention over one
+    input, a triple incomplete or not plain linears of equal shapes)."""
+    if not callable(getattr(attn, "fuse_projections", None)) or getattr(attn, "fused_projections", False):
+        return None
+    if getattr(attn, "is_cross_attention", False) or not getattr(attn, "_supports_qkv_fusion", True):
+        return None
+    groups = []
+    for fused, members in _FUSED_PROJECTIONS:
+        layers = [getattr(attn, m, None) for m in members]
+        if all(layer is None for layer in layers) and fused != "to_qkv":
+            continue
+        if not all(isinstance(layer, nn.Linear) for layer in layers):
+            return None
+        if len({(layer.in_features, layer.out_features, layer.bias is not None) for layer in layers}) != 1:
+            return None
+        groups.append((fused, members))
+    return groups
+
+
+def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAdapter | None = None,
+                plans: list[LayerPlan] | None = None) -> list[str]:
+    """The attention modules of ``module`` whose projections :func:`quantize` fuses, in module order.
+
+    Those matching the adapter's ``fusable_attention`` patterns (``adapter``:
+    a :class:`~omni_diffusion.adapters.base.ModelAdapter`; default the
+    registered family of ``module``'s class, none: nothing is fused), whose
+    q/k/v (and added q/k/v) layers :func:`plan_quantization` all quantizes, and
+    for which the adapter has a processor that reads fused projections. Empty
+    when ``config.fuses_projections`` is off.
+    """
+    config = QuantConfig.from_dict(config)
+    adapter = _resolve_adapter(module, adapter)
+    if not config.fuses_projections or adapter is None or not adapter.fusable_attention:
+        return []
+    plans = plan_quantization(module, config) if plans is None else plans
+    quantized = {p.name for p in plans if p.action == "quantize"}
+    names = []
+    for name, attn in module.named_modules():
+        if not name or not any(fnmatch.fnmatchcase(name, p) for p in adapter.fusable_attention):
+            continue
+        groups = _fusion_groups(attn)
+        if groups is None:
+            continue
+        if any(f"{name}.{m}" not in quantized for _, members in groups for m in members):
+            continue
+        if adapter.fused_attention_processor(attn) is None:
+            logger.debug("quantize: not fusing %s: the %s adapter has no fused processor for %s",
+                         name, adapter.name, type(getattr(attn, "processor", None)).__name__)
+            continue
+        names.append(name)
+    return names
+
+
+def _fuse_attention(module: nn.Module, name: str,
+                    adapter: ModelAdapter | None) -> tuple[_FusedAttention, dict[str, nn.Module]]:
+    """Fuse attention ``name``'s projections in place; returns the record and the removed layers."""
+    attn = module.get_submodule(name)
+    groups = _fusion_groups(attn)
+    processor = adapter.fused_attention_processor(attn) if adapter is not None else None
+    if groups is None or processor is None:
+        why = ("no model adapter describes it" if adapter is None else
+               "its q/k/v are not three plain linears of one shape" if groups is None else
+               f"the {adapter.name!r} adapter has no processor that runs them fused")
+        raise ValueError(
+            f"cannot fuse the projections of {name} ({type(attn).__name__}, processor "
+            f"{type(getattr(attn, 'processor', None)).__name__}): {why}"
+        )
+    record = _FusedAttention(name, attn.processor, "fused_projections" in attn.__dict__,
+                             attn.__dict__.get("fused_projections"))
+    with torch.no_grad():
+        attn.fuse_projections()
+    removed = {}
+    for fused, members in groups:
+        if not isinstance(getattr(attn, fused, None), nn.Linear):
+            raise RuntimeError(f"{type(attn).__name__}.fuse_projections() built no {fused} for {name}")
+        for member in members:
+            removed[member] = attn._modules.pop(member)
+    if processor is not attn.processor:
+        attn.set_processor(processor)
+    return record, removed
+
+
+def _unfuse_attention(module: nn.Module, record: _FusedAttention,
+                      removed: dict[str, nn.Module] | None = None) -> None:
+    attn = module.get_submodule(record.name)
+    for member, layer in (removed or {}).items():
+        setattr(attn, member, layer)
+    for fused, _ in _FUSED_PROJECTIONS:
+        attn._modules.pop(fused, None)
+    if record.own_flag:
+        attn.fused_projections = record.flag
+    else:
+        attn.__dict__.pop("fused_projections", None)
+    if attn.processor is not record.processor:
+        attn.set_processor(record.processor)
+
+
+def _record_fusion(module: nn.Module, fused: list[tuple[_FusedAttention, dict]]) -> None:
+    if fused:
+        module.__dict__[_FUSION_RECORD_ATTR] = [
+            *module.__dict__.get(_FUSION_RECORD_ATTR, []), *(record for record, _ in fused)
+        ]
+
+
+def fused_attention(module: nn.Module) -> list[str]:
+    """The attention modules of ``module`` whose projections :func:`quantize` (or
+    :func:`load_quantized`) fused."""
+    return [record.name for record in module.__dict__.get(_FUSION_RECORD_ATTR, [])]
+
+
+def unfuse_projections(module: nn.Module) -> None:
+    """Take back the projection fusion :func:`quantize` did on ``module``: the fused
+    layers are removed, each attention's ``fused_projections`` flag and processor are
+    what they were. The separate q/k/v layers must be on their modules again first:
+    :func:`quantize` releases them (like every replaced full-precision layer), and
+    :func:`omni_diffusion.accelerate`'s undo puts its kept originals back before
+    calling this.
+
+    Raises:
+        ValueError: a fused attention whose separate projections are not back.
+    """
+    records = module.__dict__.get(_FUSION_RECORD_ATTR, [])
+    for record in records:
+        attn = module.get_submodule(record.name)
+        missing = [m for fused, members in _FUSED_PROJECTIONS if fused in attn._modules
+                   for m in members if m not in attn._modules]
+        if missing:
+            raise ValueError(
+                f"unfuse_projections: {record.name} has no {missing}: quantize() released the "
+                "separate projections; only accelerate()'s undo keeps them"
+            )
+    for record in reversed(records):
+        _unfuse_attention(module, record)
+    module.__dict__.pop(_FUSION_RECORD_ATTR, None)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def _swap_linear(module: nn.Module, name: str, config: QuantConfig, options: dict) -> nn.Module | None:
+    """Replace linear ``name`` by its :class:`QuantizedLinear`; returns it when ``name`` is the root."""
+    linear = module.get_submodule(name)
+    with torch.no_grad():
+        new = QuantizedLinear.from_linear(linear, config.method, **options)
+    new.train(linear.training)
+    if name:
+        _replace(module, name, new)
+        return None
+    return new
+
+
+def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
+             adapter: ModelAdapter | None = None) -> nn.Module:
     """Quantize the ``nn.Linear`` layers of ``module`` in place; returns ``module``.
 
     Each chosen layer (:func:`plan_quantization`) is replaced by a
@@ -288,6 +519,13 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None) -> nn.
     (FP8, nothing skipped). If ``module`` is itself an ``nn.Linear``, the
     replacement is returned (it cannot be swapped in place).
 
+    With ``config.fuses_projections``, the attention projections
+    :func:`plan_fusion` names are fused first (module docstring), one attention
+    at a time just before its fused layers are quantized; :func:`fused_attention`
+    lists them afterwards. ``adapter``: the model family's
+    :class:`~omni_diffusion.adapters.base.ModelAdapter` (default: looked up from
+    ``module``'s class; none found: nothing is fused).
+
     Raises:
         ValueError: a bad config, a pattern that matches no module, an included
             layer the kernels cannot take.
@@ -296,25 +534,42 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None) -> nn.
     config = QuantConfig() if config is None else QuantConfig.from_dict(config)
     plans = plan_quantization(module, config)
     _check_hardware(module, plans, config)
+    adapter = _resolve_adapter(module, adapter) if config.fuses_projections else adapter
+    fusing = plan_fusion(module, config, adapter, plans)
+    member_of = {f"{a}.{m}": a for a in fusing for _, members in _fusion_groups(module.get_submodule(a))
+                 for m in members}
     options = config.layer_options()
     replaced = None
-    for plan in plans:
-        if plan.action != "quantize":
-            logger.debug("quantize: keeping %s (%d -> %d) in full precision: %s",
-                         plan.name or "<root>", plan.in_features, plan.out_features, plan.reason)
-            continue
-        linear = module.get_submodule(plan.name)
-        with torch.no_grad():
-            new = QuantizedLinear.from_linear(linear, config.method, **options)
-        new.train(linear.training)
-        if plan.name:
-            _replace(module, plan.name, new)
-        else:
-            replaced = new
+    fused: list[tuple[_FusedAttention, dict[str, nn.Module]]] = []
+    done: set[str] = set()
+    try:
+        for plan in plans:
+            if plan.action != "quantize":
+                logger.debug("quantize: keeping %s (%d -> %d) in full precision: %s",
+                             plan.name or "<root>", plan.in_features, plan.out_features, plan.reason)
+                continue
+            attn_name = member_of.get(plan.name)
+            if attn_name is None:
+                replaced = _swap_linear(module, plan.name, config, options) or replaced
+                continue
+            if attn_name in done:
+                continue  # its fused layers are already quantized
+            done.add(attn_name)
+            fused.append(_fuse_attention(module, attn_name, adapter))
+            attn = module.get_submodule(attn_name)
+            for fused_name, _ in _FUSED_PROJECTIONS:
+                if fused_name in attn._modules:
+                    _swap_linear(module, f"{attn_name}.{fused_name}", config, options)
+    except BaseException:  # put the separate projections back: the caller may restore the rest
+        for record, removed in reversed(fused):
+            _unfuse_attention(module, record, removed)
+        raise
+    _record_fusion(module, fused)
     kept = [p for p in plans if p.action == "keep"]
     logger.info(
-        "quantize: %s: %d of %d linear layers to %s; %d kept in full precision%s",
-        type(module).__name__, len(plans) - len(kept), len(plans), config.method, len(kept),
+        "quantize: %s: %d of %d linear layers to %s%s; %d kept in full precision%s",
+        type(module).__name__, len(plans) - len(kept), len(plans), config.method,
+        f" ({len(fused)} attention modules' q/k/v fused)" if fused else "", len(kept),
         (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
         if kept else "",
     )
@@ -329,9 +584,9 @@ def quantized_layers(module: nn.Module) -> dict[str, str]:
 def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConfig | dict | None = None) -> None:
     """Write ``module``'s whole ``state_dict`` (quantized and full-precision parts) to a safetensors file.
 
-    The file's metadata records which layers are quantized and how (and
-    ``config``, when given), so :func:`load_quantized` rebuilds the same
-    layers without quantizing anything.
+    The file's metadata records which layers are quantized and how, which
+    attention modules have fused projections (and ``config``, when given), so
+    :func:`load_quantized` rebuilds the same layers without quantizing anything.
     """
     layers = quantized_layers(module)
     if not layers:
@@ -339,6 +594,8 @@ def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConf
     from safetensors.torch import save_file
 
     metadata = {_METADATA_FORMAT_KEY: _FORMAT, _METADATA_LAYERS_KEY: json.dumps(layers)}
+    if fused_attention(module):
+        metadata[_METADATA_FUSED_KEY] = json.dumps(fused_attention(module))
     if config is not None:
         metadata[_METADATA_CONFIG_KEY] = json.dumps(QuantConfig.from_dict(config).to_dict())
     tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
@@ -351,6 +608,7 @@ def load_quantized(
     config: QuantConfig | dict | None = None,
     *,
     device: str | torch.device | None = None,
+    adapter: ModelAdapter | None = None,
 ) -> nn.Module:
     """Load a file written by :func:`save_quantized` into ``module`` (the unquantized skeleton).
 
@@ -362,7 +620,9 @@ def load_quantized(
     ``state_dict`` holds, must then be materialized by the caller). ``device``: where the tensors go;
     default the skeleton's device (CPU for ``meta``). ``config``: optional;
     its method must match the file's, its backend options apply to the layers
-    (default: the options saved in the file, else the defaults).
+    (default: the options saved in the file, else the defaults). Attention
+    modules the file has fused projections for are fused in ``module`` first,
+    with ``adapter``'s processors (default: the adapter of ``module``'s class).
 
     Raises:
         ValueError: not an omni quantized file, a config whose method differs,
@@ -396,16 +656,35 @@ def load_quantized(
         device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
     device = torch.device(device)
     model = type(module).__name__
+    fused_names = json.loads(metadata.get(_METADATA_FUSED_KEY, "[]"))
+    already = set(fused_attention(module))
+    fused: list[tuple[_FusedAttention, dict[str, nn.Module]]] = []
+    if fused_names:
+        adapter = _resolve_adapter(module, adapter)
     targets = {}
-    for name in layers:  # every listed layer is checked before anything is replaced
-        try:
-            targets[name] = module.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"{path} quantizes layer {name!r}, which {model} does not have") from None
-        if not isinstance(targets[name], (nn.Linear, QuantizedLinear)):
-            raise ValueError(
-                f"{path} quantizes {name!r}, which is a {type(targets[name]).__name__} in {model}, not nn.Linear"
-            )
+    try:
+        for name in fused_names:
+            if name in already:
+                continue
+            try:
+                module.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"{path} fuses the projections of {name!r}, which {model} does not have") from None
+            fused.append(_fuse_attention(module, name, adapter))
+        for name in layers:  # every listed layer is checked before anything is replaced
+            try:
+                targets[name] = module.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"{path} quantizes layer {name!r}, which {model} does not have") from None
+            if not isinstance(targets[name], (nn.Linear, QuantizedLinear)):
+                raise ValueError(
+                    f"{path} quantizes {name!r}, which is a {type(targets[name]).__name__} in {model}, not nn.Linear"
+                )
+    except BaseException:
+        for record, removed in reversed(fused):
+            _unfuse_attention(module, record, removed)
+        raise
+    _record_fusion(module, fused)
     for name, method in layers.items():
         layer = targets[name]
         new = QuantizedLinear(

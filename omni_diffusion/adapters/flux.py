@@ -11,6 +11,13 @@
   separate conditional/unconditional calls.
 * Quantization skips the embedders, the final norm/projection and the AdaLN
   modulation linears (one row per sample: nothing to gain, precision to lose).
+  It may fuse the attention projections that read one input (``to_q/k/v`` of
+  both block kinds, ``add_q/k/v_proj`` of the dual-stream blocks) through
+  diffusers' ``fuse_projections()``; diffusers' Flux processors read
+  ``fused_projections`` and then call ``to_qkv`` / ``to_added_qkv``. (The
+  single-stream blocks' ``proj_mlp`` reads the same input as ``to_q/k/v`` but
+  is not fused: under ``torch.compile`` Inductor quantizes that input once for
+  both in the kernel that produces it.)
 * TeaCache: the first block's ``norm1(hidden_states, emb=temb)`` output, with
   the polynomial TeaCache4FLUX calibrated on FLUX.1-dev (ali-vilab/TeaCache).
 """
@@ -33,6 +40,10 @@ from omni_diffusion.adapters.base import (
     TensorParallelPlan,
     modulated_norm_input,
 )
+
+#: diffusers' Flux processors that take their projections through ``_get_qkv_projections``,
+#: which uses the fused ``to_qkv`` / ``to_added_qkv`` when ``fused_projections`` is set
+_FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 
 #: TeaCache4FLUX (FLUX.1-dev), highest power first
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
@@ -83,6 +94,7 @@ class FluxAdapter(ModelAdapter):
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
     )
+    fusable_attention = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
     cache_disabling_kwargs = ("controlnet_block_samples", "controlnet_single_block_samples")
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
@@ -95,3 +107,8 @@ class FluxAdapter(ModelAdapter):
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
         inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         return [inner, linear.in_features - inner]
+
+    def fused_attention_processor(self, module: nn.Module) -> Any:
+        processor = getattr(module, "processor", None)
+        names = {cls.__name__ for cls in type(processor).__mro__}
+        return processor if names & set(_FUSION_AWARE_PROCESSORS) else None

@@ -13,6 +13,12 @@
   concatenation, with the attention itself run by
   :func:`omni_kernels.attention.attention` on diffusers' ``[B, S, H, D]``
   layout. Undo puts the original processor objects back.
+* Quantization may fuse each attention's ``to_q/k/v`` (and ``add_q/k/v_proj``)
+  through diffusers' ``Attention.fuse_projections()``. diffusers' own
+  ``FusedJointAttnProcessor2_0`` drops the q/k RMSNorms of SD3.5 and needs text
+  tokens, so the fused modules run :class:`OmniJointAttnProcessor`, which reads
+  ``fused_projections``; when omni's attention is not installed it runs torch's
+  SDPA as ``JointAttnProcessor2_0`` does (``torch_sdpa=True``).
 * TeaCache: the first block's ``norm1(hidden_states, emb=temb)``; no published
   calibration (the raw relative L1 distance is accumulated).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_diffusion.adapters import register_adapter
@@ -48,19 +55,35 @@ class OmniJointAttnProcessor:
     Calls with an attention mask go to the processor it replaced.
     ``parallel``: a callable ``(query, key, value) -> out`` (omni's
     sequence-parallel attention) that replaces the local attention call.
+    ``torch_sdpa``: run the attention with torch's ``scaled_dot_product_attention``
+    exactly as ``JointAttnProcessor2_0`` does instead of omni's kernels (the
+    processor quantization installs when it fuses the projections of a model
+    whose attention omni does not run).
+
+    When ``attn.fused_projections`` is set, the projections come from
+    ``attn.to_qkv`` / ``attn.to_added_qkv`` (``[B, S, 3*H*D]``, q, k, v in order).
     """
 
-    def __init__(self, backend: str | None, original: Any, parallel: Any = None) -> None:
+    def __init__(self, backend: str | None, original: Any, parallel: Any = None, *,
+                 torch_sdpa: bool = False) -> None:
         self.backend = backend
         self.original = original
         self.parallel = parallel
+        self.torch_sdpa = torch_sdpa
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  *args, **kwargs):
+        fused = getattr(attn, "fused_projections", False)
         if attention_mask is not None or hidden_states.ndim != 3:
+            if fused:
+                raise ValueError(
+                    "SD3 attention with fused projections (QuantConfig.fuse_projections) takes "
+                    f"3-D hidden states and no attention_mask; got {hidden_states.ndim}-D hidden "
+                    f"states, attention_mask {'given' if attention_mask is not None else 'None'}. "
+                    "Quantize with fuse_projections=False for this use"
+                )
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  *args, **kwargs)
-        from omni_kernels.attention import attention
 
         batch, image_len, _ = hidden_states.shape
         heads = attn.heads
@@ -68,17 +91,25 @@ class OmniJointAttnProcessor:
         def split(x: torch.Tensor) -> torch.Tensor:  # [B, S, H*D] -> [B, S, H, D]
             return x.view(batch, x.shape[1], heads, -1)
 
-        query = split(attn.to_q(hidden_states))
-        key = split(attn.to_k(hidden_states))
-        value = split(attn.to_v(hidden_states))
+        if fused:
+            query, key, value = (split(t) for t in attn.to_qkv(hidden_states).chunk(3, dim=-1))
+        else:
+            query = split(attn.to_q(hidden_states))
+            key = split(attn.to_k(hidden_states))
+            value = split(attn.to_v(hidden_states))
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         if attn.norm_k is not None:
             key = attn.norm_k(key)
         if encoder_hidden_states is not None:
-            c_query = split(attn.add_q_proj(encoder_hidden_states))
-            c_key = split(attn.add_k_proj(encoder_hidden_states))
-            c_value = split(attn.add_v_proj(encoder_hidden_states))
+            if fused:
+                c_query, c_key, c_value = (
+                    split(t) for t in attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+                )
+            else:
+                c_query = split(attn.add_q_proj(encoder_hidden_states))
+                c_key = split(attn.add_k_proj(encoder_hidden_states))
+                c_value = split(attn.add_v_proj(encoder_hidden_states))
             if attn.norm_added_q is not None:
                 c_query = attn.norm_added_q(c_query)
             if attn.norm_added_k is not None:
@@ -89,7 +120,14 @@ class OmniJointAttnProcessor:
 
         if self.parallel is not None:
             out = self.parallel(query, key, value)
+        elif self.torch_sdpa:  # [B, H, S, D], as JointAttnProcessor2_0
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                dropout_p=0.0, is_causal=False,
+            ).transpose(1, 2)
         else:
+            from omni_kernels.attention import attention
+
             out = attention(query, key, value, backend=self.backend, layout="bshd")
         out = out.reshape(batch, out.shape[1], -1).to(query.dtype)
 
@@ -142,27 +180,46 @@ class SD3Adapter(ModelAdapter):
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
     )
+    fusable_attention = ("transformer_blocks.*.attn", "transformer_blocks.*.attn2")
     cache_disabling_kwargs = ("block_controlnet_hidden_states",)
 
     def apply_attention(self, transformer: nn.Module, omni_backend: str | None) -> Undo:
         swapped: list[tuple[nn.Module, Any]] = []
+        # processors quantization installed with fused projections: switched to omni's kernels
+        switched: list[OmniJointAttnProcessor] = []
         for module in transformer.modules():
             processor = getattr(module, "processor", None)
             if processor is None or not hasattr(module, "set_processor"):
                 continue
             if type(processor).__name__ in _REPLACED_PROCESSORS:
                 swapped.append((module, processor))
-        if not swapped:
+            elif isinstance(processor, OmniJointAttnProcessor) and processor.torch_sdpa:
+                if all(processor is not p for p in switched):
+                    switched.append(processor)
+        if not swapped and not switched:
             # A diffusers version whose SD3 attention goes through the dispatcher.
             return super().apply_attention(transformer, omni_backend)
         for module, processor in swapped:
             module.set_processor(OmniJointAttnProcessor(omni_backend, processor))
+        saved = [(p, p.backend) for p in switched]
+        for processor in switched:
+            processor.backend, processor.torch_sdpa = omni_backend, False
 
         def undo() -> None:
             for module, processor in swapped:
                 module.set_processor(processor)
+            for processor, backend in saved:
+                processor.backend, processor.torch_sdpa = backend, True
 
         return undo
+
+    def fused_attention_processor(self, module: nn.Module) -> Any:
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, OmniJointAttnProcessor):
+            return processor
+        if type(processor).__name__ in _REPLACED_PROCESSORS:
+            return OmniJointAttnProcessor(None, processor, torch_sdpa=True)
+        return None
 
     def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
         processor = module.processor

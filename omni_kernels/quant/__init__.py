@@ -10,7 +10,9 @@
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
   ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
   ``"torch"`` (float32 reference).
-* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them.
+* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them; its
+  ``activation_backend="auto"`` quantizes with the kernels in eager mode and with
+  plain torch ops under ``torch.compile`` (:func:`resolve_activation_backend`).
 """
 
 from omni_kernels.quant.dispatch import (
@@ -27,6 +29,7 @@ from omni_kernels.quant.linear import (
     QuantizedLinear,
     quantize_weight,
     quantized_linear,
+    resolve_activation_backend,
     resolve_fast_accum,
     scaled_mm,
     weight_only_mm,
@@ -59,6 +62,7 @@ __all__ = [
     "quantize_per_token_reference",
     "quantize_weight",
     "quantized_linear",
+    "resolve_activation_backend",
     "resolve_fast_accum",
     "scaled_mm",
     "supported_backends",

@@ -29,7 +29,12 @@ aten, then torch (the Triton interpreter is for tests; ask for it with
 
 Every Triton launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
 (with a fake implementation), and the aten ops have their own, so
-``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`.
+``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`. Activation
+quantization with ``activation_backend="auto"`` is the custom CUDA/Triton op in
+eager mode and plain torch ops under ``torch.compile``, so that Inductor fuses it
+with whatever produces the layer's input (:func:`resolve_activation_backend`);
+``"torch"`` asks for the torch ops in both modes, ``"cuda"``/``"triton"`` for the
+kernels in both.
 """
 
 from __future__ import annotations
@@ -322,6 +327,24 @@ def weight_only_mm(
     return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
 
 
+def resolve_activation_backend(activation_backend: str) -> str:
+    """The :func:`quantize_per_token` backend a W8A8 layer runs: ``"auto"`` while
+    ``torch.compile`` traces is ``"torch"``, any other value is itself.
+
+    Under ``torch.compile`` the CUDA and Triton kernels are opaque custom ops:
+    Inductor must write their input (the LayerNorm + adaLN modulation or the
+    GELU before the layer) in bfloat16, and the kernel reads it back and writes
+    it again in 8 bits. The ``"torch"`` backend is the reference's plain torch
+    ops (per-row absolute maximum, scale, clamp, round/cast: exactly
+    :func:`~omni_kernels.quant.reference.quantize_per_token_reference`), which
+    Inductor fuses into the kernel that produces the input. In eager mode
+    ``"auto"`` keeps the custom kernels (the reference is a slow float32 path there).
+    """
+    if activation_backend == "auto" and torch.compiler.is_compiling():
+        return "torch"
+    return activation_backend
+
+
 def quantized_linear(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -337,7 +360,8 @@ def quantized_linear(
     """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
 
     ``method`` is one of :data:`QUANT_METHODS`; W8A8 methods quantize ``x`` per
-    token first (with ``clamp`` and ``activation_backend``).
+    token first (with ``clamp`` and ``activation_backend``, which
+    :func:`resolve_activation_backend` resolves: plain torch ops under ``torch.compile``).
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
@@ -346,7 +370,9 @@ def quantized_linear(
     if method.endswith("_weight_only"):
         out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
     else:
-        x_q, x_scale = quantize_per_token(x2, w_q.dtype, clamp=clamp, backend=activation_backend)
+        x_q, x_scale = quantize_per_token(
+            x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend)
+        )
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     return out.reshape(*lead, w_q.shape[0])
 

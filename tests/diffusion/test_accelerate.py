@@ -11,7 +11,9 @@ untouched (the reference) and once per feature, same seed. Bounds:
   are served from the cache, the output is finite and within 10% (relative L2)
   of the reference (random weights change little between steps);
 * quantization: int8 W8A8 <= 2%, fp8 W8A8 <= 5% relative error;
-* undo: the output is bit-identical to the reference again.
+* undo: the output is bit-identical to the reference again, and every module,
+  processor and attention flag is the one from before (quantization's fused
+  q/k/v projections removed, the separate ones back).
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ def _snapshot(pipe):
             params=[(name, p) for name, p in transformer.named_parameters()],
             processors=[(name, m.processor, m.processor.__dict__.get("_attention_backend", "unset"))
                         for name, m in transformer.named_modules() if hasattr(m, "processor")],
+            fused=[(name, m.__dict__.get("fused_projections", "unset"))
+                   for name, m in transformer.named_modules() if hasattr(m, "processor")],
             compiled=[(name, m._compiled_call_impl) for name, m in transformer.named_modules()],
             dict=set(transformer.__dict__),
             hooks=(len(transformer._forward_hooks), len(transformer._forward_pre_hooks)),
@@ -223,6 +227,11 @@ def test_undo_restores_everything(name):
         assert od.is_accelerated(pipe) and od.accel_config(pipe) == config
         assert type(pipe) is not before["class"] and type(pipe).__name__ == before["class"].__name__
         assert isinstance(pipe, before["class"])
+        if has_quant:  # int8 W8A8 fuses the q/k/v triples the adapter declares (Flux, SD3)
+            from omni_diffusion.quantization import fused_attention
+
+            fused = fused_attention(pipe.transformer)
+            assert bool(fused) == (od.adapters.adapter_for(pipe).fusable_attention != ())
         fam.run(steps=2)
     finally:
         od.undo(pipe)
