@@ -187,6 +187,13 @@ class SequenceParallelPlan:
     output; text tokens stay replicated on every rank (they are few, and the
     text stream's per-token layers then need no communication).
 
+    Text padding masks: when the adapter's ``layout.text_mask`` is set, joint
+    attention may receive a boolean key-padding mask over its local tokens
+    (``[B, 1, 1, T + n]`` or ``[B, T + n]``, layout order, True = attend) whose
+    image part is all True by the model's construction (image tokens are never
+    padding): sequence parallelism applies its text part to the replicated
+    text keys and attends every image key. Without ``text_mask`` a mask is refused.
+
     Args:
         joint_attention: fnmatch patterns (relative to the transformer) of the
             attention modules over text + image tokens (``layout`` says where
@@ -195,17 +202,45 @@ class SequenceParallelPlan:
             alone (self-attention). Attention modules matching neither
             (cross-attention to the text) run locally, unchanged.
         rotary_arg: the block argument holding rotary tables (a tensor or a
-            tuple of tensors), or None.
+            tuple of tensors), or None; a tuple of names when block classes of
+            one model name it differently (the first name a block has is used).
         rotary_seq_dim: the sequence dimension of those tables.
         rotary_covers_text: the tables span text and image tokens (in the
             layout's order), not the image tokens alone.
+        rotary_text_entries: positions, in a tuple of rotary tables, of tables
+            over the text tokens alone (separate text frequencies): passed
+            whole, as the text is replicated.
+        mask_arg: the block argument holding a key-padding mask over the whole
+            joint sequence (text and image in the layout's order), cut to this
+            rank's tokens per block like the rotary tables; None when the
+            attention builds its mask from the local tokens itself.
+        mask_seq_dim: the sequence dimension of that mask.
+        image_token_args: block arguments with one entry per image token along
+            dimension 1 (``[B, S_image, ...]``), cut to this rank's tokens like
+            the hidden states.
+        leading_image_count_args: block arguments counting image tokens at the
+            start of the image sequence (an int; blocks treat those tokens
+            apart): replaced by how many of them this rank's shard holds, which
+            are then at the start of the shard.
     """
 
     joint_attention: tuple[str, ...] = ()
     image_attention: tuple[str, ...] = ()
-    rotary_arg: str | None = None
+    rotary_arg: str | tuple[str, ...] | None = None
     rotary_seq_dim: int = 0
     rotary_covers_text: bool = False
+    rotary_text_entries: tuple[int, ...] = ()
+    mask_arg: str | None = None
+    mask_seq_dim: int = -1
+    image_token_args: tuple[str, ...] = ()
+    leading_image_count_args: tuple[str, ...] = ()
+
+    @property
+    def rotary_args(self) -> tuple[str, ...]:
+        """``rotary_arg`` as a tuple of names (empty when there are no rotary tables)."""
+        if self.rotary_arg is None:
+            return ()
+        return (self.rotary_arg,) if isinstance(self.rotary_arg, str) else tuple(self.rotary_arg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +251,7 @@ class TensorParallelPlan:
     Args:
         colwise: output features split across ranks (Q/K/V projections, the
             first MLP layer); the modules owning a split ``to_q`` get their
-            ``heads`` divided.
+            ``heads`` divided, and their ``inner_dim``-style widths with them.
         rowwise: input features split; partial outputs are summed by one
             all-reduce and the bias is added once.
         packed_rowwise: rowwise layers whose input is a concatenation of
