@@ -216,7 +216,7 @@ def main(argv=None) -> None:
                         help="video: stage-1b steps, the VAE decoder on whole clips (default 150)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="video: cpu or cuda")
-    parser.add_argument("--batch", type=int, default=None, help="video: transformer batch (default 32)")
+    parser.add_argument("--batch", type=int, default=None, help="video: transformer batch (default 256)")
     parser.add_argument("--init", default=None,
                         help="fine-tune this saved pipeline (text encoders trainable) instead")
     parser.add_argument("--vae-from", default=None,
