@@ -3,7 +3,7 @@
 # once on the same GPU (the tiny models leave it mostly idle), on the shipped model's VAE, for
 # SECONDS each; then score each over 100 seeded clips. Logs and models go to OUT_DIR/<arch>.
 #
-#   bash scripts/train_video_gpu.sh OUT_DIR [SECONDS] [ARCH ...]    (default: 240 s; base deep wide)
+#   bash scripts/train_video_gpu.sh OUT_DIR [SECONDS] [ARCH ...]    (default: 240 s; wide base deep)
 #
 # Each log names the step count its budget gave; rerun one with
 # `python3 -m omni_diffusion.embedded.train --kind video --vae-from <shipped> --arch A
@@ -14,7 +14,7 @@ out=${1:?usage: bash scripts/train_video_gpu.sh OUT_DIR [SECONDS] [ARCH ...]}
 budget=${2:-240}
 shift $(( $# >= 2 ? 2 : 1 ))
 archs=("$@")
-[ ${#archs[@]} -eq 0 ] && archs=(base deep wide)
+[ ${#archs[@]} -eq 0 ] && archs=(wide base deep)
 export PYTHONUNBUFFERED=1
 # shellcheck source=scripts/carried_wheels.sh
 source scripts/carried_wheels.sh
