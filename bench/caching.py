@@ -1,8 +1,12 @@
-"""Caching on the trained embedded image model: speed-up against the drop in quality.
+"""Caching on the trained embedded models: speed-up against the drop in quality.
 
-The embedded digits FluxPipeline (:mod:`omni_diffusion.embedded`, 32x32, 28 steps by
-default) draws ``--n`` images, the digits 0..9 in turn, image ``i`` from its own generator
-seeded ``--seed + i``, one image per call:
+``--kind image`` (default): the embedded digits FluxPipeline (:mod:`omni_diffusion.embedded`,
+32x32, 28 steps by default) draws ``--n`` images, the digits 0..9 in turn, image ``i`` from its
+own generator seeded ``--seed + i``, one image per call. ``--kind video``: the embedded
+WanPipeline (9 frames of 32x32, 50 steps, CFG 5 by default) makes ``--n`` clips of the
+digit-direction pairs of :func:`~omni_diffusion.embedded.evaluate_video.video_targets`, clip
+``i`` seeded ``--seed + i``, one clip per call; adherence there needs the digit and the
+direction right, and PSNR/SSIM are over all frames. Each is measured:
 
 * first without caching (``reference``);
 * then, for each threshold, under ``omni_diffusion.accelerate(pipe, AccelConfig(attention=None,
@@ -19,9 +23,11 @@ mean SSIM against the reference image of the same seed (images in [0, 1]).
 
 Timing is on the CPU with ``torch.set_num_threads(--threads)`` (default 1, for stable
 numbers on a shared machine); the load average is recorded beside each row. Results go to
-``--out-dir`` (default ``$OUT`` or bench/results/) as ``caching_cpu_<YYYYMMDD>.{json,md}``.
+``--out-dir`` (default ``$OUT`` or bench/results/) as ``caching_cpu_<YYYYMMDD>.{json,md}``
+(``caching-video_cpu_...`` for video).
 
     .venv/bin/python bench/caching.py
+    .venv/bin/python bench/caching.py --kind video --n 40
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ DEFAULT_THRESHOLDS = {"first_block": [0.05, 0.1, 0.2], "teacache": [0.1, 0.25, 0
 def parse_args(argv=None) -> argparse.Namespace:
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=100, help="images per configuration (digits 0..9 in turn)")
+    parser.add_argument("--kind", choices=("image", "video"), default="image", help="which embedded model")
+    parser.add_argument("--n", type=int, default=100, help="images (clips) per configuration (digits 0..9 in turn)")
     parser.add_argument("--seed", type=int, default=0, help="image i is drawn with seed + i")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
     parser.add_argument("--first-block", type=float, nargs="*", default=DEFAULT_THRESHOLDS["first_block"],
@@ -70,45 +77,92 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def generate(pipe, digits: list[int], seed: int, steps: int | None, stats_of=None):
-    """Images ``(N, 3, 32, 32)`` float32 in [0, 1], one call per image (seed ``seed + i``), the
-    wall seconds of each call, and ``stats_of(pipe)`` after each call (cache stats) when given."""
-    from omni_diffusion.embedded.evaluate import generate_digits
+class _Image:
+    """The image model's targets, generation and scoring."""
 
+    def __init__(self, n: int):
+        self.targets = [i % 10 for i in range(n)]
+
+    @staticmethod
+    def draw(pipe, target, steps, seed) -> torch.Tensor:
+        from omni_diffusion.embedded.evaluate import generate_digits
+
+        return generate_digits(pipe, [target], steps=steps, seed=seed)  # (1, 3, 32, 32) in [0, 1]
+
+    def adherence(self, outputs: torch.Tensor) -> float:
+        from omni_diffusion.embedded.evaluate import adherence
+
+        return adherence(outputs, self.targets)
+
+    @staticmethod
+    def as_images(outputs: torch.Tensor) -> torch.Tensor:
+        return outputs
+
+
+class _Video:
+    """The video model's targets (digit, direction), generation and scoring."""
+
+    def __init__(self, n: int):
+        from omni_diffusion.embedded.evaluate_video import video_targets
+
+        digits, directions = video_targets(n)
+        self.targets = list(zip(digits, directions))
+
+    @staticmethod
+    def draw(pipe, target, steps, seed) -> torch.Tensor:
+        from omni_diffusion.embedded.evaluate_video import generate_videos
+
+        return generate_videos(pipe, [target[0]], [target[1]], steps=steps, seed=seed)  # (1, T, H, W) in [-1, 1]
+
+    def adherence(self, outputs: torch.Tensor) -> float:
+        from omni_diffusion.embedded.evaluate_video import video_adherence
+
+        digits, directions = zip(*self.targets)
+        return video_adherence(outputs, list(digits), list(directions))
+
+    @staticmethod
+    def as_images(outputs: torch.Tensor) -> torch.Tensor:
+        """Clips ``(N, T, H, W)`` in [-1, 1] -> frames ``(N * T, 1, H, W)`` in [0, 1]."""
+        return ((outputs.flatten(0, 1)[:, None] + 1) / 2).clamp(0, 1)
+
+
+def generate(pipe, kind, seed: int, steps: int | None, stats_of=None):
+    """The outputs of ``kind``'s targets, one call each (seed ``seed + i``), concatenated, the
+    wall seconds of each call, and ``stats_of(pipe)`` after each call (cache stats) when given."""
     for _ in range(3):  # warm-up (first calls allocate and fill caches), not counted
-        generate_digits(pipe, digits[:1], steps=steps, seed=seed)
-    images, seconds, stats = [], [], []
-    for i, digit in enumerate(digits):
+        kind.draw(pipe, kind.targets[0], steps, seed)
+    outputs, seconds, stats = [], [], []
+    for i, target in enumerate(kind.targets):
         start = time.perf_counter()
-        images.append(generate_digits(pipe, [digit], steps=steps, seed=seed + i))
+        outputs.append(kind.draw(pipe, target, steps, seed + i))
         seconds.append(time.perf_counter() - start)
         if stats_of is not None:
             stats.append(stats_of(pipe))
-    return torch.cat(images), seconds, stats
+    return torch.cat(outputs), seconds, stats
 
 
-def measure(pipe, digits, args, reference=None, cache=None) -> tuple[dict, torch.Tensor]:
+def measure(pipe, kind, args, reference=None, cache=None) -> tuple[dict, torch.Tensor]:
     """One row: ``cache`` None (the reference) or a :class:`omni_diffusion.CacheConfig`."""
     import omni_diffusion as od
-    from omni_diffusion.embedded.evaluate import adherence, psnr, ssim
+    from omni_diffusion.embedded.evaluate import psnr, ssim
 
     load_before = os.getloadavg()[0]
     if cache is None:
-        images, seconds, _ = generate(pipe, digits, args.seed, args.steps)
+        outputs, seconds, _ = generate(pipe, kind, args.seed, args.steps)
         stats = []
     else:
         od.accelerate(pipe, od.AccelConfig(attention=None, cache=cache))
         try:
-            images, seconds, stats = generate(pipe, digits, args.seed, args.steps, od.last_cache_stats)
+            outputs, seconds, stats = generate(pipe, kind, args.seed, args.steps, od.last_cache_stats)
         finally:
             od.undo(pipe)
     row = dict(
         config="reference" if cache is None else cache.kind,
         threshold=None if cache is None else cache.threshold,
-        images=len(digits),
+        images=len(kind.targets),
         ms_per_image=1e3 * statistics.median(seconds),
         ms_per_image_mean=1e3 * statistics.fmean(seconds),
-        adherence=adherence(images, digits),
+        adherence=kind.adherence(outputs),
         load_average=[load_before, os.getloadavg()[0]],
     )
     if stats:
@@ -119,25 +173,33 @@ def measure(pipe, digits, args, reference=None, cache=None) -> tuple[dict, torch
     else:
         row.update(passes=None, hit_rate=0.0, blocks_skipped=0.0)
     if reference is not None:
-        value = psnr(images, reference, data_range=1.0)
+        images, reference_images = kind.as_images(outputs), kind.as_images(reference)
+        value = psnr(images, reference_images, data_range=1.0)
         row.update(psnr_db=None if math.isinf(value) else value,  # JSON has no inf: null = identical
-                   ssim=ssim(images, reference, data_range=1.0),
-                   max_abs_diff=float((images - reference).abs().max()),
-                   identical=bool(torch.equal(images, reference)))
-    return row, images
+                   ssim=ssim(images, reference_images, data_range=1.0),
+                   max_abs_diff=float((images - reference_images).abs().max()),
+                   identical=bool(torch.equal(outputs, reference)))
+    return row, outputs
 
 
 def markdown(data: dict) -> str:
     env = data["environment"]
+    video = env.get("kind") == "video"
+    what = "clip" if video else "image"
     lines = [
-        f"# Caching on the embedded image model (CPU, torch threads: {env['threads']})",
+        f"# Caching on the embedded {env.get('kind', 'image')} model (CPU, torch threads: {env['threads']})",
         "",
-        f"{env['images']} images (digits 0..9 in turn, seeds {env['seed']}..{env['seed'] + env['images'] - 1}), "
-        f"{env['steps']} steps, 32x32; median wall time per image; PSNR/SSIM against the uncached image "
-        "of the same seed; skipped passes = transformer passes that skipped blocks, skipped blocks = "
-        "block calls skipped (First-Block-Cache always runs the first of its 4 blocks).",
+        (f"{env['images']} clips (digit-direction pairs in turn, seeds {env['seed']}..{env['seed'] + env['images'] - 1}), "
+         f"{env['steps']} steps, CFG on, 9 frames of 32x32; adherence = digit and direction both right"
+         if video else
+         f"{env['images']} images (digits 0..9 in turn, seeds {env['seed']}..{env['seed'] + env['images'] - 1}), "
+         f"{env['steps']} steps, 32x32")
+        + f"; median wall time per {what}; PSNR/SSIM against the uncached {what} of the same seed"
+        + (" (over all frames)" if video else "")
+        + "; skipped passes = transformer passes that skipped blocks, skipped blocks = "
+        "block calls skipped (First-Block-Cache always runs the first block).",
         "",
-        "| cache | threshold | ms/image | speed-up | skipped passes | skipped blocks | adherence | "
+        f"| cache | threshold | ms/{what} | speed-up | skipped passes | skipped blocks | adherence | "
         "PSNR dB | SSIM |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -171,19 +233,19 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     import omni_diffusion as od
     from omni_diffusion.embedded import load_embedded_pipeline
 
-    pipe = load_embedded_pipeline("image")
+    pipe = load_embedded_pipeline(args.kind)
     steps = args.steps
     if steps is None:
         import inspect
 
         steps = inspect.signature(pipe.__call__).parameters["num_inference_steps"].default
-    digits = [i % 10 for i in range(args.n)]
-    reference_row, reference = measure(pipe, digits, args)
+    kind = (_Video if args.kind == "video" else _Image)(args.n)
+    reference_row, reference = measure(pipe, kind, args)
     rows = [reference_row]
     configs = [od.CacheConfig("first_block", threshold=t) for t in args.first_block]
     configs += [od.CacheConfig("teacache", threshold=t) for t in args.teacache]
     for cache in configs:
-        row, _ = measure(pipe, digits, args, reference, cache)
+        row, _ = measure(pipe, kind, args, reference, cache)
         rows.append(row)
         print(f"{row['config']} {row['threshold']:g}: {row['ms_per_image']:.1f} ms, "
               f"skipped {row['hit_rate']:.1%}, adherence {row['adherence']:.2f}, "
@@ -194,14 +256,16 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     loads = [x for r in rows for x in r["load_average"]]
     environment = dict(base_environment(("diffusers", "transformers", "scikit-learn")),
                        threads=args.threads, images=args.n, seed=args.seed, steps=steps,
-                       load_average_range=[min(loads), max(loads)],
-                       model="embedded image (digits FluxPipeline)")
+                       load_average_range=[min(loads), max(loads)], kind=args.kind,
+                       model=("embedded video (digits WanPipeline)" if args.kind == "video"
+                              else "embedded image (digits FluxPipeline)"))
     # the arguments main() was given (a test calls it directly, where sys.argv is pytest's)
     environment.update(command=" ".join([sys.executable, "bench/caching.py", *argv]),
                        argv=["bench/caching.py", *argv])
     data = dict(environment=environment, results=rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"caching_cpu_{_dt.date.today():%Y%m%d}"
+    name = "caching" if args.kind == "image" else "caching-video"
+    stem = args.out_dir / f"{name}_cpu_{_dt.date.today():%Y%m%d}"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     text = markdown(data)
     stem.with_suffix(".md").write_text(text)

@@ -60,3 +60,24 @@ def test_two_images_threshold_zero_is_exact(tmp_path, capsys):
     assert not loose["identical"] and loose["psnr_db"] is not None and loose["ssim"] < 1.0
     assert "| first_block | 0 |" in json_path.with_suffix(".md").read_text()
     assert "inf (identical)" in capsys.readouterr().out
+
+
+def test_video_two_clips_threshold_zero_is_exact(tmp_path):
+    from omni_diffusion.embedded import embedded_pipeline_path
+
+    try:
+        embedded_pipeline_path("video")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    bench = _load()
+    assert bench.main(["--kind", "video", "--n", "2", "--steps", "4", "--first-block", "0", "1.0",
+                       "--teacache", "0", "--out-dir", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("caching-video_cpu_*.json")
+    data = json.loads(json_path.read_text())
+    assert data["environment"]["kind"] == "video" and data["environment"]["images"] == 2
+    rows = data["results"]
+    for row in rows[1], rows[3]:  # threshold 0: never skips, the same clips as without caching
+        assert row["passes"] > 0 and row["hit_rate"] == 0.0 and row["identical"] and row["psnr_db"] is None
+    loose = rows[2]
+    assert loose["hit_rate"] > 0.3 and not loose["identical"] and loose["ssim"] < 1.0
+    assert "| cache | threshold | ms/clip |" in (tmp_path / json_path.name.replace(".json", ".md")).read_text()
