@@ -75,7 +75,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+from bench._environment import base_environment  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_sage", "fp8_sageattention")
