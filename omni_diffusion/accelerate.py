@@ -28,7 +28,9 @@ What is applied, to every denoiser the family's adapter names
    or cache-dit on the whole pipeline.
 4. ``compile``: regional ``torch.compile``: each repeated block class the
    model declares (diffusers' ``compile_repeated_blocks``) or the adapter
-   lists is compiled with ``block.compile(...)``; ``cuda_graphs`` adds
+   lists is compiled with ``block.compile(...)`` (its ``forward`` alone when
+   the block has forward hooks: sequence parallelism's token bookkeeping then
+   runs eagerly around the compiled region); ``cuda_graphs`` adds
    CUDA-graph capture (mode ``"reduce-overhead"``). Compilation happens at the
    first call.
 
@@ -368,17 +370,34 @@ def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelC
     )
     if config.torch_compile_mode is not None:
         kwargs["mode"] = config.torch_compile_mode
+    # A block with forward hooks (sequence parallelism's per-forward token
+    # bookkeeping) gets its forward compiled instead of its whole call, so the
+    # hooks run eagerly around the compiled region: under ``block.compile()``
+    # Dynamo would compile each hook as a frame of its own, guarded on
+    # per-block Python state (which block is first, the block's class), and
+    # recompile it for every block until the recompile limit.
+    hooked = [m for m in targets if m._forward_pre_hooks or m._forward_hooks]
+    hooked_ids = {id(m) for m in hooked}
     saved = [(m, m.__dict__.get("_compiled_call_impl")) for m in targets]
+    saved_forwards = [(m, m.__dict__.get("forward")) for m in hooked]
     declared = tuple(getattr(transformer, "_repeated_blocks", None) or ())
-    if declared and declared == names and hasattr(transformer, "compile_repeated_blocks"):
+    if not hooked and declared and declared == names and hasattr(transformer, "compile_repeated_blocks"):
         transformer.compile_repeated_blocks(**kwargs)
     else:
         for module in targets:
-            module.compile(**kwargs)
+            if id(module) in hooked_ids:
+                module.forward = torch.compile(module.forward, **kwargs)
+            else:
+                module.compile(**kwargs)
 
     def undo() -> None:
         for module, previous in saved:
             module._compiled_call_impl = previous
+        for module, previous_forward in saved_forwards:
+            if previous_forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous_forward
 
     return undo
 

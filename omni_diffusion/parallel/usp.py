@@ -44,6 +44,15 @@ plain execution and nothing more: the shard is the whole tensor (no cut, no
 gather), 1-rank collectives return their input, the Ulysses step leaves q/k/v
 as they are, and the rotary tables pass through (tests/parallel/test_degree_one_overhead.py).
 
+Compilation: the block hooks are per-forward Python bookkeeping (which block
+is first, the image split, the cut tables) and stay out of compiled code:
+``accelerate()``'s regional compile compiles the ``forward`` of a block that
+carries them, so they run eagerly around it, and every block of a class reuses
+one graph. The Ulysses all-to-alls are functional collectives, traced into the
+block's graph; Ring's point-to-point exchange is a graph break. The first
+block's shard is a contiguous copy, so it arrives with the strides the later
+blocks' inputs have (a view would compile a second graph for the first block).
+
 Routing: processors that call diffusers' ``dispatch_attention_fn`` get omni's
 ``"omni_sp"`` diffusers backend, with the :class:`SequenceParallelAttention`
 as their ``_parallel_config`` (the dispatcher passes it on as
@@ -482,7 +491,10 @@ def _before_block(block, args, kwargs, *, spec, first, groups, state, plan, cutt
         hidden = call.get(spec.hidden_arg)
         split = state.split = groups.split(hidden.shape[1])
         if not split.whole:
-            updates[spec.hidden_arg] = hidden.narrow(1, split.start, split.mine)
+            # a copy with a whole tensor's strides, as the later blocks' inputs have:
+            # a compiled block would otherwise recompile for the first block's view
+            updates[spec.hidden_arg] = hidden.narrow(1, split.start, split.mine).clone(
+                memory_format=torch.contiguous_format)
     split = state.split
     encoder = call.get(spec.encoder_arg) if joint else None
     state.text_len = 0 if encoder is None else encoder.shape[1]

@@ -220,3 +220,78 @@ def op_count_case(rank, world, family):
     finally:
         undo()
     return plain, sp, (out - ref).abs().max().item()
+
+
+def _deepen(transformer, adapter, blocks_per_list: int) -> None:
+    """Copies of each block list's first block after it, up to ``blocks_per_list`` blocks
+    (the last block, which may differ, stays last)."""
+    import copy
+
+    for _, blocks in adapter.blocks(transformer):
+        while len(blocks) < blocks_per_list:
+            blocks.insert(1, copy.deepcopy(blocks[0]))
+
+
+def _image_shares(transformer) -> set[tuple[int, int]]:
+    """``(image tokens held, image tokens in all)`` of each sequence-parallel attention's
+    last forward (routed through diffusers' dispatcher), to show the work was split."""
+    from omni_diffusion.parallel.usp import SequenceParallelAttention
+
+    shares = set()
+    for module in transformer.modules():
+        parallel = getattr(getattr(module, "processor", None), "_parallel_config", None)
+        if isinstance(parallel, SequenceParallelAttention) and parallel.state.split is not None:
+            shares.add((parallel.state.split.mine, parallel.state.split.total))
+    return shares
+
+
+def compile_case(rank, world, family, parallels, backend, blocks_per_list, recompile_limit):
+    """Regional compile (``compile_backend=backend``) on its own (degree 1) and composed
+    with each ParallelConfig dict of ``parallels``, against the uncompiled single-process
+    output, on a tiny ``family`` pipeline whose block lists hold ``blocks_per_list``
+    blocks. Dynamo may compile each code object at most ``recompile_limit`` times (a hit
+    fails the run), so a block recompiled per block instance fails. Returns, per run
+    ("degree1", then ``parallels``' indices): max abs diff, max |ref|, Dynamo's graph
+    count, how the blocks were compiled, the image shares, what undo left."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import omni_diffusion as od
+    from omni_diffusion.adapters import adapter_for
+    from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    adapter = adapter_for(pipe)
+    _deepen(pipe.transformer, adapter, blocks_per_list)
+    blocks = [b for _, blocks in adapter.blocks(pipe.transformer) for b in blocks]
+
+    def generate():
+        with torch.no_grad():
+            return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe))).float()
+
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math"))
+    ref = generate()
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit)
+    torch._dynamo.config.recompile_limit = recompile_limit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    runs = {}
+    try:
+        for label, config in [("degree1", None), *enumerate(parallels)]:
+            torch._dynamo.reset()
+            counters.clear()
+            od.accelerate(pipe, od.AccelConfig(attention="sdpa_math", parallel=config, compile=True,
+                                               compile_backend=backend))
+            out = generate()
+            runs[label] = dict(
+                diff=(out - ref).abs().max().item(), scale=ref.abs().max().item(),
+                graphs=counters["stats"]["unique_graphs"],
+                call_compiled=all(b._compiled_call_impl is not None for b in blocks),
+                forward_compiled=all("forward" in b.__dict__ for b in blocks),
+                image_shares=_image_shares(pipe.transformer))
+            od.undo(pipe)
+            runs[label]["undone"] = all(b._compiled_call_impl is None and "forward" not in b.__dict__
+                                        and not b._forward_pre_hooks for b in blocks)
+    finally:
+        torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limits
+        torch._dynamo.reset()
+    return runs

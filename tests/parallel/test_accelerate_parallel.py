@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+TOL = 1e-4
+
 CASES = [
-    ("flux", {"ulysses": 2}, {"attention": "sdpa_math"}, 1e-4),
-    ("wan", {"cfg": 2}, {"attention": "sdpa_math", "compile": True, "compile_backend": "eager"}, 1e-4),
-    ("sd3", {"ring": 2}, {"attention": "sdpa_math", "compile": True, "compile_backend": "eager"}, 1e-4),
+    ("flux", {"ulysses": 2}, {"attention": "sdpa_math"}, TOL),
+    ("wan", {"cfg": 2}, {"attention": "sdpa_math", "compile": True, "compile_backend": "eager"}, TOL),
+    ("sd3", {"ring": 2}, {"attention": "sdpa_math", "compile": True, "compile_backend": "eager"}, TOL),
     ("flux", {"tp": 2}, {"attention": "sdpa_math", "quant": "int8_weight_only",
                          "quant_min_features": 0}, 5e-2),
 ]
@@ -24,3 +26,42 @@ def test_accelerate_with_parallel(pools, case):
     results = pools(2).run("accelerate_case", family, parallel, accel)
     for diff, scale in results:
         assert scale > 0.1 and diff <= tol, results
+
+
+#: the block lists are lengthened to this many blocks, so that a per-block recompile
+#: needs more compilations of a code object than RECOMPILE_LIMIT allows
+BLOCKS_PER_LIST = 4
+#: what a block class needs: one graph, and one more for the inputs of a different
+#: layout some of its blocks get (Flux's single-stream blocks pass views on; Ring's
+#: graph-break pieces see the double- and single-stream attention)
+RECOMPILE_LIMIT = 2
+COMPILE_PARALLELS = [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}]
+
+
+def test_regional_compile_with_parallel(pools):
+    """Regional compile (aot_eager: Dynamo and AOTAutograd trace what Inductor would
+    compile) at degree 1 and with Ulysses, Ring and CFG parallelism on a tiny Flux of 4 +
+    4 blocks, against the uncompiled single-process output. The sequence-parallel block
+    hooks stay out of the compiled region: without Ring's graph break the parallel run
+    compiles as many graphs as degree 1, and no code object compiles more than
+    RECOMPILE_LIMIT times (a hit fails the run)."""
+    results = pools(2).run("compile_case", "flux", COMPILE_PARALLELS, "aot_eager", BLOCKS_PER_LIST,
+                           RECOMPILE_LIMIT)
+    for rank, runs in enumerate(results):
+        for label, run in runs.items():
+            assert run["scale"] > 0.1 and run["diff"] <= TOL, (rank, label, run)
+            assert run["undone"], (rank, label, run)
+        degree1 = runs["degree1"]
+        # degree 1 compiles as before: each block's whole call (block.compile())
+        assert degree1["call_compiled"] and not degree1["forward_compiled"], degree1
+        for index, parallel in enumerate(COMPILE_PARALLELS):
+            run = runs[index]
+            if parallel.get("ulysses", 1) * parallel.get("ring", 1) > 1:
+                # hooked blocks: their forward is compiled, the hooks run around it
+                assert run["forward_compiled"] and not run["call_compiled"], (parallel, run)
+                assert run["image_shares"] and all(mine < total for mine, total in run["image_shares"]), \
+                    (parallel, run)
+            else:
+                assert run["call_compiled"] and not run["image_shares"], (parallel, run)
+            if parallel.get("ring", 1) == 1:
+                assert run["graphs"] == degree1["graphs"], (parallel, run, degree1)
