@@ -44,11 +44,13 @@ from bench.pipeline import (  # noqa: E402
 
 #: kernel-name patterns, first match wins (cuBLAS/CUTLASS/cuDNN/Inductor naming on Hopper)
 GROUPS = (
-    ("gemm fp8/int8", re.compile(r"e4m3|f8f8|fp8|float_e4m3|i8i8|s8s8|int8.*gemm|scaled_gemm|imma", re.I)),
+    # Inductor's kernels first: their names list the ops they fused, attention's included
+    ("inductor triton", re.compile(r"^triton_(poi|red|per|tem)_")),
+    # cuBLASLt names its FP8 kernels nvjet_*_qqtst_*
+    ("gemm fp8/int8", re.compile(r"qqtst|e4m3|f8f8|fp8_gemm|float_e4m3|i8i8|s8s8|int8.*gemm|scaled_gemm|imma", re.I)),
     ("attention", re.compile(r"fmha|flash|attn|attention|cudnn|sdpa|_fwd_kernel", re.I)),
     ("gemm bf16", re.compile(r"gemm|nvjet|xmma|cutlass|sm90_|wgmma|matmul", re.I)),
     ("omni quantization", re.compile(r"quantiz|per_token", re.I)),
-    ("inductor triton", re.compile(r"^triton_")),
     ("other", re.compile(r".")),
 )
 
