@@ -43,6 +43,10 @@ At degree 1 (``force_sequence_parallel``) this same path runs the ops of
 plain execution and nothing more: the shard is the whole tensor (no cut, no
 gather), 1-rank collectives return their input, the Ulysses step leaves q/k/v
 as they are, and the rotary tables pass through (tests/parallel/test_degree_one_overhead.py).
+Its Python is kept short too, since eager execution can be bound by the CPU's
+kernel launches: a block hook on a rank holding the whole sequence returns once
+it has recorded the text length, and the attention wrapper reads its group
+sizes from flags set at install (the test counts the Python calls per block).
 
 Compilation: the block hooks are per-forward Python bookkeeping (which block
 is first, the image split, the cut tables) and stay out of compiled code:
@@ -98,11 +102,12 @@ class ImageSplit:
     mine: int
     ulysses_sizes: tuple[int, ...]
     ring_sizes: tuple[int, ...]
+    #: this rank's shard is the whole sequence (degree 1): nothing to cut locally
+    #: (a field, not a property: every block's hook reads it)
+    whole: bool = dataclasses.field(init=False)
 
-    @property
-    def whole(self) -> bool:
-        """This rank's shard is the whole sequence (degree 1): nothing to cut or gather."""
-        return self.mine == self.total
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "whole", self.mine == self.total)
 
 
 @dataclasses.dataclass
@@ -146,12 +151,16 @@ class SequenceGroups:
 
     def gather(self, x: torch.Tensor, split: ImageSplit, dim: int) -> torch.Tensor:
         """All sequence shards of ``x`` along ``dim``, in sequence-rank order (``x`` itself
-        when this rank holds the whole sequence)."""
-        x = all_gather_uneven(x, split.ulysses_sizes, dim, self.ulysses_group)
-        return all_gather_uneven(x, split.ring_sizes, dim, self.ring_group)
+        at degree 1). A 1-rank group is skipped here: its size is known, so no call asks
+        the process group."""
+        if self.ulysses_size > 1:
+            x = all_gather_uneven(x, split.ulysses_sizes, dim, self.ulysses_group)
+        if self.ring_size > 1:
+            x = all_gather_uneven(x, split.ring_sizes, dim, self.ring_group)
+        return x
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SequenceState:
     """What the current forward's blocks tell the attention: set by the block hooks."""
 
@@ -183,6 +192,9 @@ class SequenceParallelAttention:
         self.text_first = text_first
         self.backend = backend
         self.text_mask = text_mask
+        # read on every call: the group sizes are fixed
+        self._exchange_heads = groups.ulysses_size > 1
+        self._ring = groups.ring_size > 1
 
     def _attend(self, scale):
         def attend(q, k, v, mask):
@@ -195,38 +207,41 @@ class SequenceParallelAttention:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-        split = self.state.split
+        state = self.state
+        split = state.split
         if split is None:
             raise RuntimeError("sequence-parallel attention ran outside the sharded blocks "
                                "(no image split is known)")
         groups = self.groups
-        text = self.state.text_len if self.joint else 0
+        text = state.text_len if self.joint else 0
         mine = split.mine
-        if (query.shape[1] != text + mine or key.shape[:3] != query.shape[:3]
-                or value.shape[:3] != query.shape[:3]):
+        # whole shapes are compared (attention needs one head size for q, k and v anyway):
+        # slices of them would be new torch.Size objects on every call
+        shape = query.shape
+        if shape[1] != text + mine or key.shape != shape or value.shape != shape:
             raise ValueError(
-                f"sequence-parallel attention expects q/k/v of {text} text + {mine} image tokens "
-                f"and equal heads; got q {tuple(query.shape)}, k {tuple(key.shape)}, "
+                f"sequence-parallel attention expects q/k/v of one shape, with {text} text + "
+                f"{mine} image tokens; got q {tuple(shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)}"
             )
-        mask = None if attn_mask is None else self._key_mask(attn_mask, query.shape[0], text, split)
-        image_start = text if self.text_first else 0
-        if groups.ulysses_size == 1:
-            q, k, v = query, key, value
-            ring_key, ring_value = (key.narrow(1, image_start, mine), value.narrow(1, image_start, mine)
-                                    ) if groups.ring_size > 1 else (None, None)
-        else:
+        mask = None if attn_mask is None else self._key_mask(attn_mask, shape[0], text, split)
+        if self._exchange_heads:
             q, k, v, ring_key, ring_value = self._heads_of_group(query, key, value, text, split)
-        if groups.ring_size > 1:
+        else:
+            q, k, v = query, key, value
+            if self._ring:
+                image_start = text if self.text_first else 0
+                ring_key, ring_value = key.narrow(1, image_start, mine), value.narrow(1, image_start, mine)
+        if self._ring:
             out = ring_attention(q, k, v, mask, ring_key, ring_value, split.ring_sizes,
                                  groups.ring_rank, groups.ring_group, self._attend(scale))
         elif q.shape[2] == 0:
             out = q.clone()  # more Ulysses ranks than heads: this rank has none
         else:  # no partials to merge: no LSE needed
             out = attention(q, k, v, backend=self.backend, layout="bshd", scale=scale, attn_mask=mask)
-        if groups.ulysses_size == 1:
+        if not self._exchange_heads:
             return out
-        return self._sequence_of_rank(out, text, split, query.shape[2])
+        return self._sequence_of_rank(out, text, split, shape[2])
 
     def _key_mask(self, attn_mask: torch.Tensor, batch: int, text: int, split: ImageSplit):
         """The key-padding mask for the keys this rank attends to in its local step.
@@ -242,7 +257,7 @@ class SequenceParallelAttention:
             raise ValueError(f"sequence-parallel attention got an attention mask of shape "
                              f"{tuple(attn_mask.shape)}; it takes one only in {what} "
                              "(SequenceLayout.text_mask)")
-        if self.groups.ulysses_size == 1:
+        if not self._exchange_heads:
             return attn_mask
         local = normalize_key_padding_mask(attn_mask, batch, text + split.mine)
         text_part = local.narrow(1, 0 if self.text_first else split.mine, text)
@@ -291,7 +306,7 @@ def _sp_diffusers_attention(query, key, value, attn_mask=None, dropout_p=0.0, is
     if dropout_p or is_causal or return_lse:
         raise ValueError(f"the {SP_BACKEND_NAME!r} attention backend takes no dropout, causal "
                          "mask or return_lse")
-    return _parallel_config(query, key, value, attn_mask=attn_mask, scale=scale)
+    return _parallel_config(query, key, value, attn_mask, scale)
 
 
 @functools.cache
@@ -462,10 +477,9 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
         last_spec, last_list = lists[-1]
         for spec, module_list in lists:
             for block in module_list:
-                block_call(block, (), {})  # reads the signature now, not while compile traces the hook
-                hook = functools.partial(_before_block, spec=spec, first=block is first_block,
-                                         groups=groups, state=state, plan=plan, cutters=cutters,
-                                         joint=adapter.layout.attention == "joint")
+                hook = _BeforeBlock(block, spec, first=block is first_block, groups=groups,
+                                    state=state, plan=plan, cutters=cutters,
+                                    joint=adapter.layout.attention == "joint")
                 undos.append(block.register_forward_pre_hook(hook, with_kwargs=True).remove)
         after = functools.partial(_after_last_block, spec=last_spec, groups=groups, state=state)
         undos.append(last_list[-1].register_forward_hook(after, with_kwargs=True).remove)
@@ -481,32 +495,64 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
     return undo_all
 
 
-def _before_block(block, args, kwargs, *, spec, first, groups, state, plan, cutters, joint):
-    """Per block: the first block cuts the image tokens (planned once per length); every
-    block records its text length and gets its per-token arguments for its tokens.
-    Returns None (the arguments stand) when nothing had to change, as at degree 1."""
-    call = block_call(block, args, kwargs)
-    updates: dict[str, Any] = {}
-    if first:
-        hidden = call.get(spec.hidden_arg)
-        split = state.split = groups.split(hidden.shape[1])
-        if not split.whole:
+class _BeforeBlock:
+    """A block's forward pre-hook (with kwargs). The first block cuts the image tokens
+    (planned once per length); every block records its text length and gets its per-token
+    arguments for its tokens. Returns None (the arguments stand) when nothing had to
+    change: a rank holding the whole sequence (degree 1) returns right after recording
+    the text length, the one fact its attention needs.
+
+    It runs once per block and forward, so what can be known beforehand is: the
+    argument positions (read from the block's signature here, not while compile traces
+    the hook) and which argument carries the text.
+    """
+
+    __slots__ = ("spec", "first", "groups", "state", "plan", "cutters", "positions",
+                 "hidden_position", "encoder_arg", "encoder_position")
+
+    def __init__(self, block: nn.Module, spec, *, first: bool, groups: SequenceGroups,
+                 state: SequenceState, plan, cutters: list, joint: bool) -> None:
+        self.spec, self.first, self.groups, self.state = spec, first, groups, state
+        self.plan, self.cutters = plan, cutters
+        self.positions = block_call(block, (), {})._positions
+        self.hidden_position = self.positions.get(spec.hidden_arg)
+        self.encoder_arg = spec.encoder_arg if joint else None
+        self.encoder_position = self.positions.get(self.encoder_arg)
+
+    def __call__(self, block: nn.Module, args: tuple, kwargs: dict):
+        state = self.state
+        if self.first:
+            hidden = _passed(args, kwargs, self.spec.hidden_arg, self.hidden_position)
+            split = state.split = self.groups.split(hidden.shape[1])
+        else:
+            split = state.split
+            if split is None:
+                raise RuntimeError(f"{type(block).__name__}: a sequence-parallel block ran before "
+                                   "the first block planned the image split")
+        encoder = _passed(args, kwargs, self.encoder_arg, self.encoder_position)
+        state.text_len = 0 if encoder is None else encoder.shape[1]
+        if split.whole:  # nothing to cut: every per-token argument is this rank's already
+            return None
+        return self._cut(block, BlockCall(self.positions, args, kwargs), split)
+
+    def _cut(self, block: nn.Module, call: BlockCall, split: ImageSplit):
+        """``(args, kwargs)`` with the per-token arguments cut to this rank's tokens."""
+        spec, plan = self.spec, self.plan
+        updates: dict[str, Any] = {}
+        if self.first:
+            hidden = call.get(spec.hidden_arg)
             # a copy with a whole tensor's strides, as the later blocks' inputs have:
             # a compiled block would otherwise recompile for the first block's view
             updates[spec.hidden_arg] = hidden.narrow(1, split.start, split.mine).clone(
                 memory_format=torch.contiguous_format)
-    split = state.split
-    encoder = call.get(spec.encoder_arg) if joint else None
-    state.text_len = 0 if encoder is None else encoder.shape[1]
-    for names, cutter in cutters:
-        for name in names:
-            value = call.get(name)
-            if value is not None:
-                cut, changed = cutter(value, state.text_len)
-                if changed:
-                    updates[name] = cut
-                break
-    if not split.whole:
+        for names, cutter in self.cutters:
+            for name in names:
+                value = call.get(name)
+                if value is not None:
+                    cut, changed = cutter(value, self.state.text_len)
+                    if changed:
+                        updates[name] = cut
+                    break
         for name in plan.image_token_args:
             value = call.get(name)
             if value is None:
@@ -524,9 +570,22 @@ def _before_block(block, args, kwargs, *, spec, first, groups, state, plan, cutt
                 raise ValueError(f"{type(block).__name__} argument {name}: expected an int count of "
                                  f"leading image tokens, got {type(value).__name__}")
             updates[name] = min(max(value - split.start, 0), split.mine)
-    for name, value in updates.items():
-        args, kwargs = _set_arg(call, args, kwargs, name, value)
-    return (args, kwargs) if updates else None
+        args, kwargs = call.args, call.kwargs
+        for name, value in updates.items():
+            args, kwargs = _set_arg(call, args, kwargs, name, value)
+        return (args, kwargs) if updates else None
+
+
+def _passed(args: tuple, kwargs: dict, name: str | None, position: int | None) -> Any:
+    """The value a call passed for parameter ``name`` (``position``: its index among the
+    positional parameters, None if it has none), or None (also when ``name`` is None)."""
+    if name is None:
+        return None
+    if name in kwargs:
+        return kwargs[name]
+    if position is not None and position < len(args):
+        return args[position]
+    return None
 
 
 def _after_last_block(block, args, kwargs, output, *, spec, groups, state):

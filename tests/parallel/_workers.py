@@ -186,17 +186,18 @@ def _op_counts(fn) -> dict[str, int]:
     return dict(Counter(event.name for event in prof.events()))
 
 
-def op_count_case(rank, world, family):
-    """Ops of one transformer forward of a tiny ``family`` pipeline, plain and through the
-    sequence-parallel path at degree 1 (``force_sequence_parallel``); (plain, sp, max |diff|)."""
+def _transformer_forward(family):
+    """A tiny ``family`` pipeline (omni attention ``sdpa_math``), its adapter and transformer,
+    and a no-grad call of the transformer with the arguments its pipeline passed it at the
+    first step; the call returns the output tensor."""
     import omni_diffusion as od
     from omni_diffusion.adapters import adapter_for
-    from omni_diffusion.parallel import parallelize
     from omni_diffusion.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline(family)
     od.accelerate(pipe, od.AccelConfig(attention="sdpa_math"))
-    transformer = adapter_for(pipe).transformers(pipe)["transformer"]
+    adapter = adapter_for(pipe)
+    transformer = adapter.transformers(pipe)["transformer"]
     calls = []
     handle = transformer.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
@@ -212,14 +213,88 @@ def op_count_case(rank, world, family):
             out = transformer(*args, **kwargs)
         return out[0] if isinstance(out, tuple) else out.sample
 
-    plain, ref = _op_counts(forward), forward()
+    return pipe, adapter, transformer, forward
+
+
+def _plain_and_degree_one(pipe, forward, measure):
+    """``(measure(forward) plainly, the same through the sequence-parallel path at degree 1
+    (force_sequence_parallel), max |output difference|)``."""
+    from omni_diffusion.parallel import parallelize
+
+    plain, ref = measure(forward), forward()
     undo = parallelize(pipe, ParallelConfig(), attention_backend="sdpa_math", device_type="cpu",
                        force_sequence_parallel=True)
     try:
-        sp, out = _op_counts(forward), forward()
+        sp, out = measure(forward), forward()
     finally:
         undo()
     return plain, sp, (out - ref).abs().max().item()
+
+
+def op_count_case(rank, world, family):
+    """Ops of one transformer forward of a tiny ``family`` pipeline, plain and through the
+    sequence-parallel path at degree 1 (``force_sequence_parallel``); (plain, sp, max |diff|)."""
+    pipe, _, _, forward = _transformer_forward(family)
+    return _plain_and_degree_one(pipe, forward, _op_counts)
+
+
+def _python_calls(fn) -> int:
+    """Python function calls (profiler "call" events: frames entered, builtins not
+    counted) that one ``fn()`` makes, after a first call (caches, lazy init). The
+    garbage collector is off while counting: finalizers would add calls at random."""
+    import gc
+    import sys
+
+    fn()
+    count = 0
+
+    def profiler(frame, event, arg):
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    enabled = gc.isenabled()
+    gc.disable()
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        if enabled:
+            gc.enable()
+    return count
+
+
+def _hook_dispatch_calls() -> int:
+    """Python calls torch's ``nn.Module.__call__`` adds for a forward pre-hook (with kwargs),
+    the hook itself not counted: what any block hook costs, whatever it does."""
+    module = torch.nn.Identity()
+    x = torch.zeros(1)
+    plain = _python_calls(lambda: module(x))
+    handle = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+    try:
+        hooked = _python_calls(lambda: module(x))
+    finally:
+        handle.remove()
+    return hooked - plain - 1
+
+
+def python_call_case(rank, world, family, depths):
+    """Python calls of one transformer forward of a tiny ``family`` pipeline, plain and
+    through the sequence-parallel path at degree 1, with each block list deepened to each
+    of ``depths`` blocks; ``[(blocks, plain calls, sp calls, max |diff|)]`` per depth."""
+    pipe, adapter, transformer, forward = _transformer_forward(family)
+    rows = []
+    for depth in depths:
+        _deepen(transformer, adapter, depth)
+        blocks = sum(len(module_list) for _, module_list in adapter.blocks(transformer))
+        rows.append((blocks, *_plain_and_degree_one(pipe, forward, _python_calls)))
+    return rows
+
+
+def python_call_overhead_case(rank, world, family, depths):
+    """:func:`python_call_case`'s rows and the calls torch adds to dispatch a block hook."""
+    return python_call_case(rank, world, family, depths), _hook_dispatch_calls()
 
 
 def _deepen(transformer, adapter, blocks_per_list: int) -> None:

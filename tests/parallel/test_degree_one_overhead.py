@@ -1,4 +1,5 @@
-"""The sequence-parallel code path at degree 1 runs the same ops as plain execution.
+"""The sequence-parallel code path at degree 1 runs the same ops as plain execution, and
+little Python besides.
 
 One gloo rank; a tiny pipeline's transformer forward is profiled on CPU
 (torch.profiler) plainly and with ``parallelize(..., force_sequence_parallel=True)``:
@@ -8,6 +9,11 @@ may be copied, concatenated or exchanged that plain execution does not: the op
 counts must be equal (collectives on a 1-rank group are no-ops, shards that
 are the whole tensor are the tensor itself). This is what keeps the path's
 measured overhead on the GPU (bench/parallel_overhead.py) near zero.
+
+Where eager execution is bound by the CPU's kernel launches (Flux at 512x512 on an
+H200) the path's Python time per block shows too, so the Python function calls it
+adds per block are counted as well (not timed: counts do not depend on the load of
+the machine).
 """
 
 from __future__ import annotations
@@ -35,3 +41,31 @@ def test_sequence_parallel_path_at_degree_one_adds_no_ops(pools, family):
     diffs = {name: (plain.get(name, 0), sp.get(name, 0)) for name in set(plain) | set(sp)
              if name.startswith("aten::") and plain.get(name, 0) != sp.get(name, 0)}
     assert not diffs, f"op counts differ (plain, sequence-parallel path): {sorted(diffs.items())}"
+
+
+#: Python calls the sequence-parallel path may add per block at degree 1 besides torch's
+#: own dispatch of a block hook (3 calls in torch 2.14): the hook and one helper make 2
+#: (the attention wrapper replaces the plain backend's mask check, one call for one).
+#: Before the block hook and the attention wrapper had their degree-1 fast paths the
+#: path added 5 to 9.5 (8 to 12.5 with torch's).
+MAX_OWN_CALLS_PER_BLOCK = 3
+#: per forward (the first block's split, the last block's gather)
+MAX_CALLS_PER_FORWARD = 12
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "qwen_image", "hunyuan_video"])
+def test_sequence_parallel_path_at_degree_one_adds_little_python_per_block(pools, family):
+    (rows, hook_calls), = pools(1).run("python_call_overhead_case", family, (2, 6))
+    (blocks, plain, sp, diff), (more_blocks, more_plain, more_sp, more_diff) = rows
+    assert diff == 0.0 and more_diff == 0.0
+    assert 0 <= hook_calls <= 10, f"torch's hook dispatch: {hook_calls} calls"
+    # the slope over depth: per-block calls, apart from what runs once per forward
+    per_block = ((more_sp - more_plain) - (sp - plain)) / (more_blocks - blocks)
+    plain_per_block = (more_plain - plain) / (more_blocks - blocks)
+    per_forward = (sp - plain) - per_block * blocks
+    own = per_block - hook_calls
+    assert own <= MAX_OWN_CALLS_PER_BLOCK, (
+        f"{family}: the degree-1 sequence-parallel path adds {per_block:g} Python calls per block "
+        f"({hook_calls} of them torch's hook dispatch; a plain block makes {plain_per_block:g})")
+    assert per_forward <= MAX_CALLS_PER_FORWARD, (
+        f"{family}: the degree-1 sequence-parallel path adds {per_forward:g} Python calls per forward")
