@@ -80,4 +80,4 @@ def test_video_two_clips_threshold_zero_is_exact(tmp_path):
         assert row["passes"] > 0 and row["hit_rate"] == 0.0 and row["identical"] and row["psnr_db"] is None
     loose = rows[2]
     assert loose["hit_rate"] > 0.3 and not loose["identical"] and loose["ssim"] < 1.0
-    assert "| cache | threshold | ms/clip |" in (tmp_path / json_path.name.replace(".json", ".md")).read_text()
+    assert "| cache | threshold | CPU ms/clip | speed-up | wall ms/clip |" in (tmp_path / json_path.name.replace(".json", ".md")).read_text()
