@@ -65,6 +65,7 @@ from __future__ import annotations
 import collections
 import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -227,6 +228,51 @@ def _member_name(value: str) -> str:
     return value.upper().replace(":", "_").replace("-", "_")
 
 
+def register_diffusers_backend(
+    name: str, fn: Callable[..., torch.Tensor], *, supports_context_parallel: bool
+):
+    """Register ``fn`` as diffusers attention backend ``name``; returns its ``AttentionBackendName`` member.
+
+    Adds ``name`` to diffusers' ``AttentionBackendName`` when it is not a member
+    yet (the enum extension described in this module's docstring, verified),
+    then registers ``fn`` in diffusers' ``_AttentionBackendRegistry`` with this
+    module's input check as its constraint (run when ``DIFFUSERS_ATTN_CHECKS``
+    is set); a name already registered gets ``fn`` instead. ``fn`` takes
+    diffusers' dispatch arguments: ``query``/``key``/``value`` ``[B, S, H, D]``,
+    ``attn_mask``, ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``, ...
+    Used for omni's own backends and for sequence parallelism's ``"omni_sp"``
+    (:mod:`omni_diffusion.parallel.usp`).
+
+    Raises:
+        RuntimeError: diffusers is missing or too old, or the enum could not
+            be extended cleanly. When this or the registration raises, an enum
+            member added by this call is removed again.
+    """
+    ad = _dispatch_module()
+    enum_cls = ad.AttentionBackendName
+    member_name = _member_name(name)
+    member = enum_cls._value2member_map_.get(name)
+    added = member is None
+    if added:
+        member = _add_enum_member(enum_cls, member_name, name)
+        problem = _verify_member(enum_cls, member, member_name, name)
+        if problem is not None:
+            _remove_enum_member(enum_cls, member_name, name)
+            raise RuntimeError(
+                f"could not add {name!r} to diffusers' AttentionBackendName ({problem}); "
+                "this Python/diffusers combination is not supported by the omni backend"
+            )
+    try:
+        ad._AttentionBackendRegistry.register(
+            member, constraints=[_check_inputs], supports_context_parallel=supports_context_parallel
+        )(fn)
+    except Exception:
+        if added:
+            _remove_enum_member(enum_cls, member_name, name)
+        raise
+    return member
+
+
 def register_omni_attention_backend(
     name: str = OMNI_BACKEND_NAME, *, omni_backend: str | None = None
 ):
@@ -246,25 +292,11 @@ def register_omni_attention_backend(
             ``omni_backend`` is unknown.
     """
     ad = _dispatch_module()
-    enum_cls = ad.AttentionBackendName
-    registry = ad._AttentionBackendRegistry
     if omni_backend is not None:
         omni_backend = get_backend(omni_backend).name  # ValueError listing the names
 
-    member = enum_cls._value2member_map_.get(name)
-    added = False
-    if member is None:
-        member_name = _member_name(name)
-        member = _add_enum_member(enum_cls, member_name, name)
-        added = True
-        problem = _verify_member(enum_cls, member, member_name, name)
-        if problem is not None:
-            _remove_enum_member(enum_cls, member_name, name)
-            raise RuntimeError(
-                f"could not add {name!r} to diffusers' AttentionBackendName ({problem}); "
-                "this Python/diffusers combination is not supported by the omni backend"
-            )
-    existing = registry._backends.get(member)
+    member = ad.AttentionBackendName._value2member_map_.get(name)
+    existing = None if member is None else ad._AttentionBackendRegistry._backends.get(member)
     if existing is not None and getattr(existing, "_omni_backend", "missing") == omni_backend:
         return member
     if existing is not None and not hasattr(existing, "_omni_backend"):
@@ -272,13 +304,7 @@ def register_omni_attention_backend(
 
     fn = _make_backend_fn(omni_backend)
     fn._omni_backend = omni_backend
-    try:
-        registry.register(member, constraints=[_check_inputs], supports_context_parallel=False)(fn)
-    except Exception:
-        if added:
-            _remove_enum_member(enum_cls, _member_name(name), name)
-        raise
-    return member
+    return register_diffusers_backend(name, fn, supports_context_parallel=False)
 
 
 def set_attention_backend(model, backend: str = OMNI_BACKEND_NAME, *, omni_backend: str | None = None):
@@ -302,6 +328,7 @@ def set_attention_backend(model, backend: str = OMNI_BACKEND_NAME, *, omni_backe
 __all__ = [
     "FALLBACKS",
     "OMNI_BACKEND_NAME",
+    "register_diffusers_backend",
     "register_omni_attention_backend",
     "set_attention_backend",
 ]

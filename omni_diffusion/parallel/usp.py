@@ -313,25 +313,13 @@ def _sp_diffusers_attention(query, key, value, attn_mask=None, dropout_p=0.0, is
 def sp_backend_member():
     """Register ``"omni_sp"`` as a diffusers attention backend (once); its enum member.
 
-    Uses the enum extension of :mod:`omni_diffusion.attention_backend` (checked
-    there), with this module's function as the backend.
+    Goes through :func:`omni_diffusion.attention_backend.register_diffusers_backend`
+    (enum extension, checked there), with this module's function as the backend.
     """
-    from omni_diffusion import attention_backend as ab
+    from omni_diffusion.attention_backend import register_diffusers_backend
 
-    ad = ab._dispatch_module()
-    enum_cls = ad.AttentionBackendName
-    member = enum_cls._value2member_map_.get(SP_BACKEND_NAME)
-    if member is None:
-        member_name = ab._member_name(SP_BACKEND_NAME)
-        member = ab._add_enum_member(enum_cls, member_name, SP_BACKEND_NAME)
-        problem = ab._verify_member(enum_cls, member, member_name, SP_BACKEND_NAME)
-        if problem is not None:
-            ab._remove_enum_member(enum_cls, member_name, SP_BACKEND_NAME)
-            raise RuntimeError(f"could not add {SP_BACKEND_NAME!r} to diffusers' "
-                               f"AttentionBackendName ({problem})")
-    ad._AttentionBackendRegistry.register(member, constraints=[ab._check_inputs],
-                                          supports_context_parallel=True)(_sp_diffusers_attention)
-    return member
+    return register_diffusers_backend(SP_BACKEND_NAME, _sp_diffusers_attention,
+                                      supports_context_parallel=True)
 
 
 def route_dispatcher_processor(module: nn.Module, parallel: SequenceParallelAttention):

@@ -24,7 +24,12 @@ import torch
 OP_NAME = "omni_kernels::flash_attention_fwd"
 
 
-def _output_shapes(q: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def output_shapes(q: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(out shape, lse shape)`` of an attention forward: ``q``'s shape, and ``(B, Hq, Sq)``.
+
+    ``layout`` is ``"bhsd"`` or ``"bshd"`` (ValueError otherwise). Shared with the
+    quantized op (:mod:`omni_kernels.attention.quantized.ops`).
+    """
     if layout == "bhsd":
         batch, heads, seq = q.shape[0], q.shape[1], q.shape[2]
     elif layout == "bshd":
@@ -47,7 +52,7 @@ def flash_attention_fwd(
     """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``."""
     from omni_kernels.attention.triton_flash import flash_attention_forward
 
-    out_shape, lse_shape = _output_shapes(q, layout)
+    out_shape, lse_shape = output_shapes(q, layout)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     out, lse = flash_attention_forward(
         q, k, v, layout=layout, causal=causal, scale=scale, key_lengths=key_lengths,
@@ -60,10 +65,10 @@ def flash_attention_fwd(
 
 @flash_attention_fwd.register_fake
 def _(q, k, v, layout, causal, scale, key_lengths):
-    out_shape, lse_shape = _output_shapes(q, layout)
+    out_shape, lse_shape = output_shapes(q, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
 
 
-__all__ = ["OP_NAME", "flash_attention_fwd"]
+__all__ = ["OP_NAME", "flash_attention_fwd", "output_shapes"]

@@ -452,15 +452,15 @@ _AUTOTUNE_CACHE: dict[tuple, AttentionConfig] = {}
 # --------------------------------------------------------------------------- host side
 
 
-def _bhs_strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
-    """(batch, head, seq) strides of ``x`` in ``layout``."""
+def bhs_strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, head, seq) strides of ``x`` in ``layout`` ("bhsd", else read as "bshd"; unchecked)."""
     if layout == "bhsd":
         return x.stride(0), x.stride(1), x.stride(2)
     return x.stride(0), x.stride(2), x.stride(1)
 
 
-def _bhs_sizes(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """(B, H, S, D) of ``x`` in ``layout``."""
+def bhs_sizes(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """(B, H, S, D) of ``x`` in ``layout`` ("bhsd", else read as "bshd"; unchecked)."""
     if layout == "bhsd":
         return x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     return x.shape[0], x.shape[2], x.shape[1], x.shape[3]
@@ -475,8 +475,8 @@ def _tma_view(x: torch.Tensor, layout: str, block_rows: int):
     """
     if _TensorDescriptor is None:
         return None
-    batch, heads, seq, dim = _bhs_sizes(x, layout)
-    sb, sh, ss = _bhs_strides(x, layout)
+    batch, heads, seq, dim = bhs_sizes(x, layout)
+    sb, sh, ss = bhs_strides(x, layout)
     esize = x.element_size()
     if x.data_ptr() % 16 or (ss * esize) % 16 or x.stride(3) != 1:
         return None
@@ -510,9 +510,9 @@ def _validate(q, k, v, layout, key_lengths, out):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    bq, hq, sq, d = _bhs_sizes(q, layout)
-    bk, hk, sk, dk = _bhs_sizes(k, layout)
-    bv, hv, sv, dv = _bhs_sizes(v, layout)
+    bq, hq, sq, d = bhs_sizes(q, layout)
+    bk, hk, sk, dk = bhs_sizes(k, layout)
+    bv, hv, sv, dv = bhs_sizes(v, layout)
     if not (bq == bk == bv):
         raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
     if (hk, sk) != (hv, sv):
@@ -558,10 +558,10 @@ def _launch(q, k, v, out, lse, key_lengths, layout, causal, qk_scale, cfg, dims)
         use_tma = q_desc is not None and k_desc is not None and v_desc is not None
         if not use_tma:
             q_desc = k_desc = v_desc = None
-    sqb, sqh, sqm = _bhs_strides(q, layout)
-    skb, skh, skn = _bhs_strides(k, layout)
-    svb, svh, svn = _bhs_strides(v, layout)
-    sob, soh, som = _bhs_strides(out, layout)
+    sqb, sqh, sqm = bhs_strides(q, layout)
+    skb, skh, skn = bhs_strides(k, layout)
+    svb, svh, svn = bhs_strides(v, layout)
+    sob, soh, som = bhs_strides(out, layout)
     grid = (num_m_blocks * batch * hq,)
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     return _attn_fwd_kernel[grid](
@@ -701,6 +701,8 @@ def flash_attention_forward(
 __all__ = [
     "AttentionConfig",
     "autotune_candidates",
+    "bhs_sizes",
+    "bhs_strides",
     "default_config",
     "flash_attention_forward",
 ]

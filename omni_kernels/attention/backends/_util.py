@@ -1,4 +1,4 @@
-"""Helpers shared by the third-party backends: lazy imports with a reason when they fail."""
+"""Helpers shared by the backends: lazy imports with a reason when they fail, input checks."""
 
 from __future__ import annotations
 
@@ -63,3 +63,20 @@ def last_dim_contiguous(q, k, v) -> str | None:
         if t.stride(-1) != 1:
             return f"needs a contiguous last dimension in {name}; got strides {tuple(t.stride())}"
     return None
+
+
+def triton_input_check(problem, q, k, v, key_padding_mask) -> str | None:
+    """Input check of omni's Triton backends (``omni_triton``, ``omni_sage``): a reason, or None.
+
+    Constraints: on CPU (Triton's interpreter) no bfloat16, which the
+    interpreter mishandles; on CUDA no float32 (float16/bfloat16 only); ``q``,
+    ``k`` and ``v`` with stride 1 in their last (head) dimension, since the
+    kernels take only batch/head/sequence strides. ``problem`` is the registry's
+    :class:`~omni_kernels.attention.registry.AttentionProblem`; ``key_padding_mask``
+    is unused (both backends declare ``key_padding_mask=False``).
+    """
+    if problem.device.type == "cpu" and problem.dtype == torch.bfloat16:
+        return "cannot take dtype=bfloat16 on CPU: Triton's interpreter mishandles bfloat16"
+    if problem.device.type == "cuda" and problem.dtype == torch.float32:
+        return "cannot take dtype=float32 on CUDA: float16/bfloat16 (float32 only under the interpreter)"
+    return last_dim_contiguous(q, k, v)

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from omni_kernels._triton import triton_unavailable_reason
-from omni_kernels.attention.backends._util import lazy_import
-from omni_kernels.attention.backends.omni_triton import _input_check  # same Triton constraints
+from omni_kernels.attention.backends._util import lazy_import, triton_input_check
 from omni_kernels.attention.registry import BackendSpec, register_backend
 
 _MODULE = "omni_kernels.attention.quantized.attention_kernel"
@@ -66,6 +65,6 @@ SPEC = register_backend(
         lossy=True,
         package=None,
         availability=_availability,
-        input_check=_input_check,
+        input_check=triton_input_check,
     )
 )

@@ -16,6 +16,7 @@ import importlib
 import torch
 
 from omni_kernels._triton import triton_unavailable_reason
+from omni_kernels.attention.backends._util import triton_input_check
 from omni_kernels.attention.registry import BackendSpec, register_backend
 
 _IMPORT_ERROR: dict[str, str | None] = {}
@@ -40,17 +41,6 @@ def _availability(device: torch.device | None) -> str | None:
     if reason is not None:
         return reason
     return _import_error()
-
-
-def _input_check(problem, q, k, v, mask) -> str | None:
-    if problem.device.type == "cpu" and problem.dtype == torch.bfloat16:
-        return "cannot take dtype=bfloat16 on CPU: Triton's interpreter mishandles bfloat16"
-    if problem.device.type == "cuda" and problem.dtype == torch.float32:
-        return "cannot take dtype=float32 on CUDA: float16/bfloat16 (float32 only under the interpreter)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"needs a contiguous last dimension in {name}; got strides {tuple(t.stride())}"
-    return None
 
 
 def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
@@ -79,6 +69,6 @@ SPEC = register_backend(
         min_capability=(8, 0),
         package=None,
         availability=_availability,
-        input_check=_input_check,
+        input_check=triton_input_check,
     )
 )

@@ -51,7 +51,7 @@ import triton.language as tl
 from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
-from omni_kernels.attention.triton_flash import _bhs_sizes, _bhs_strides
+from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
 try:  # host-built TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -260,9 +260,9 @@ def unsupported_reason(q, k, v, layout: str) -> str | None:
         return f"dtype must be one of ({names}) on {where}, the same for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}"
-    bq, hq, _, d = _bhs_sizes(q, layout)
-    bk, hk, sk, dk = _bhs_sizes(k, layout)
-    bv, hv, sv, dv = _bhs_sizes(v, layout)
+    bq, hq, _, d = bhs_sizes(q, layout)
+    bk, hk, sk, dk = bhs_sizes(k, layout)
+    bv, hv, sv, dv = bhs_sizes(v, layout)
     if not (d == dk == dv) or d not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS} (the same for q, k, v); got {d}, {dk}, {dv}"
     if not (bq == bk == bv) or (hk, sk) != (hv, sv):
@@ -337,7 +337,7 @@ def sage_attention_quantized(
     use_tma = bool(cfg.use_tma)
     q_desc, k_desc, v_desc = _tma_descriptors(qkv, cfg) if use_tma else (None, None, None)
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
-    sob, soh, som = _bhs_strides(out, layout)
+    sob, soh, som = bhs_strides(out, layout)
     if batch * hq * sq > 0:
         _sage_fwd_kernel[(num_m_blocks * batch * hq,)](
             qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale, out,

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from omni_kernels.attention.ops import _output_shapes
+from omni_kernels.attention.ops import output_shapes
 
 OP_NAME = "omni_kernels::sage_attention_fwd"
 
@@ -31,7 +31,7 @@ def sage_attention_fwd(
     """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``."""
     from omni_kernels.attention.quantized.attention_kernel import sage_attention_forward
 
-    out_shape, _ = _output_shapes(q, layout)
+    out_shape, _ = output_shapes(q, layout)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     return sage_attention_forward(
         q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=True, out=out,
@@ -40,7 +40,7 @@ def sage_attention_fwd(
 
 @sage_attention_fwd.register_fake
 def _(q, k, v, layout, scale, key_lengths):
-    out_shape, lse_shape = _output_shapes(q, layout)
+    out_shape, lse_shape = output_shapes(q, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from omni_kernels._triton import triton_interpreter_enabled
 from omni_kernels.attention.quantized.reference import FP8_DTYPE, QuantizedQKV
-from omni_kernels.attention.triton_flash import _bhs_sizes, _bhs_strides
+from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
 STATS_PROGRAMS_PER_SM = 8  # enough loads in flight to stream K/V at full bandwidth
 STATS_MIN_CHUNK = 256  # below this a program's fixed cost (ticket, partial) dominates
@@ -286,8 +286,8 @@ def quantize_qkv(
         padded to a multiple of ``block_n`` keys). Deterministic: the same
         inputs give the same bytes.
     """
-    batch, hq, sq, d = _bhs_sizes(q, layout)
-    _, hkv, skv, _ = _bhs_sizes(k, layout)
+    batch, hq, sq, d = bhs_sizes(q, layout)
+    _, hkv, skv, _ = bhs_sizes(k, layout)
     device = q.device
     nblk = triton.cdiv(skv, block_n)
     skv_pad = nblk * block_n
@@ -301,8 +301,8 @@ def quantize_qkv(
     stats = torch.empty((3, num_kv_bh, d), dtype=torch.float32, device=device)
     partials = torch.empty((num_kv_bh, chunks, 2, d), dtype=torch.float32, device=device)
     tickets = torch.zeros((num_kv_bh,), dtype=torch.int32, device=device)
-    skb, skh, skn = _bhs_strides(k, layout)
-    svb, svh, svn = _bhs_strides(v, layout)
+    skb, skh, skn = bhs_strides(k, layout)
+    svb, svh, svn = bhs_strides(v, layout)
     if num_kv_bh:
         _kv_stats_kernel[(chunks, num_kv_bh)](
             k, v, partials, tickets, stats, key_lengths if has_lengths else stats,
@@ -322,7 +322,7 @@ def quantize_qkv(
     num_q_programs = num_q_blocks * batch * hq
     grid = num_q_programs + nblk * num_kv_bh
     if grid:
-        sqb, sqh, sqm = _bhs_strides(q, layout)
+        sqb, sqh, sqm = bhs_strides(q, layout)
         _qkv_quant_kernel[(grid,)](
             q, q_int8, q_scale, q_kmean, k, v, stats, k_int8, k_scale, v_fp8,
             key_lengths if has_lengths else stats,
