@@ -29,6 +29,11 @@ Variants (each applied to the same model and undone before the next):
 (d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
     activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
     Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
+(d2) ``omni_fp8_split_quant`` (only when asked for with ``--variants``): (d) with
+    ``activation_backend="split"``: under compile, linears with ``in_features <= 8192``
+    quantize with Inductor-fused torch ops as in (d), wider ones (Flux: the single
+    blocks' ``proj_out``, K=15360, and the double blocks' MLP down projection, K=12288)
+    with omni's kernel op as in (d1).
 (e) ``omni_fp8_sage``: (d) with omni's quantized attention (``attention="omni_sage"``,
     lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
 (f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
@@ -78,9 +83,11 @@ if str(REPO_ROOT) not in sys.path:
 from bench._environment import base_environment  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
-            "omni_fp8_sage", "fp8_sageattention")
+            "omni_fp8_split_quant", "omni_fp8_sage", "fp8_sageattention")
+# Activation-quantization experiments, run only when --variants names them.
+_OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "omni_fp8_kernel_quant")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
 _QUANTIZED_ATTENTION = {"omni_fp8_sage": "omni_sage", "fp8_sageattention": "sageattention"}
 VARIANT_LABELS = {
@@ -90,6 +97,7 @@ VARIANT_LABELS = {
     "omni_fp8_unfused": "(d0) (c) + FP8 linears, q/k/v not fused",
     "omni_fp8": "(d) (c) + FP8 linears",
     "omni_fp8_kernel_quant": "(d1) (d), activation quantization as omni's kernel op",
+    "omni_fp8_split_quant": "(d2) (d), activation quantization as omni's kernel op for K > 8192 only",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
 }
@@ -274,13 +282,16 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         quant["quant_options"] = {"activation_backend": "torch"}
     if variant == "omni_lossless":
         config = _omni_config(attention="auto", **common)
-    elif variant in ("omni_fp8", "omni_fp8_unfused", "omni_fp8_kernel_quant"):
+    elif variant in ("omni_fp8", "omni_fp8_unfused", *_OPT_IN_VARIANTS):
         _check_fp8(device)
         options = dict(quant.pop("quant_options", {}))
         if variant == "omni_fp8_unfused":
             options["fuse_projections"] = False
         if variant == "omni_fp8_kernel_quant":
             options["activation_backend"] = _kernel_activation_backend(device)
+        if variant == "omni_fp8_split_quant":
+            _kernel_activation_backend(device)  # the wide layers need a kernel: Skip without one
+            options["activation_backend"] = "split"  # split_k: the default, 8192
         config = _omni_config(attention="auto", quant_options=options, **quant, **common)
     elif variant in _QUANTIZED_ATTENTION:
         _check_fp8(device)

@@ -73,11 +73,11 @@ from torch import nn
 from omni_kernels.quant import (
     LINEAR_BACKENDS,
     QUANT_METHODS,
-    QUANTIZE_BACKENDS,
     SCALED_MM_ALIGNMENT,
     QuantizedLinear,
     fp8_unsupported_reason,
 )
+from omni_kernels.quant.linear import ACTIVATION_BACKENDS, check_split_k
 
 if TYPE_CHECKING:
     from omni_diffusion.adapters.base import ModelAdapter
@@ -119,7 +119,12 @@ class QuantConfig:
         backend: GEMM backend of the quantized layers: ``"auto"``, ``"aten"``,
             ``"triton"`` or ``"torch"`` (see :mod:`omni_kernels.quant.linear`).
         activation_backend: activation quantization backend: ``"auto"``,
-            ``"cuda"``, ``"triton"`` or ``"torch"``.
+            ``"cuda"``, ``"triton"``, ``"torch"`` or ``"split"`` (below).
+        split_k: with ``activation_backend="split"`` only: the widest input
+            (``in_features``) quantized with torch ops under ``torch.compile``;
+            wider inputs use omni's kernel op. ``None`` (default): 8192
+            (``omni_kernels.quant.linear.DEFAULT_SPLIT_K``); an error with any
+            other ``activation_backend``.
         clamp: ``None``, or clip activations to ``[-clamp, clamp]`` before their
             per-token scale is taken (W8A8 only).
         fast_accum: FP8 W8A8 accumulation: ``True`` (Hopper's fast, reduced-precision
@@ -141,6 +146,12 @@ class QuantConfig:
     modulation, the GELU) instead of writing that input in 16 bits and reading it
     back; ``"torch"`` asks for the torch ops in eager mode too (slow there: the
     float32 reference), ``"cuda"``/``"triton"`` for the kernel under compile too.
+    ``"split"`` (opt-in, not yet timed: ``bench/pipeline.py`` row (d2) against (d))
+    is ``"auto"`` in eager mode and picks per layer under compile: the fused torch
+    ops for ``in_features <= split_k``, the kernel op (which reads the materialized
+    16-bit input once) above, for wide inputs that Inductor fuses poorly (an H200
+    profile of Flux: the K=15360 ``proj_out`` input of the single blocks took two
+    passes).
     """
 
     method: str = "fp8"
@@ -152,6 +163,7 @@ class QuantConfig:
     clamp: float | None = None
     fast_accum: bool | str = "auto"
     fuse_projections: bool | None = None
+    split_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -163,11 +175,12 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.min_features must be an int >= 0; got {self.min_features!r}")
         if self.backend not in LINEAR_BACKENDS:
             raise ValueError(f"QuantConfig.backend must be one of {LINEAR_BACKENDS}; got {self.backend!r}")
-        if self.activation_backend not in QUANTIZE_BACKENDS:
+        if self.activation_backend not in ACTIVATION_BACKENDS:
             raise ValueError(
-                f"QuantConfig.activation_backend must be one of {QUANTIZE_BACKENDS}; "
+                f"QuantConfig.activation_backend must be one of {ACTIVATION_BACKENDS}; "
                 f"got {self.activation_backend!r}"
             )
+        check_split_k(self.split_k, self.activation_backend, "QuantConfig.split_k")
         if self.clamp is not None:
             if isinstance(self.clamp, bool) or not isinstance(self.clamp, (int, float)) or not (
                 math.isfinite(self.clamp) and self.clamp > 0
@@ -215,7 +228,7 @@ class QuantConfig:
         """The :class:`QuantizedLinear` keyword options this config sets."""
         return dict(
             backend=self.backend, activation_backend=self.activation_backend, clamp=self.clamp,
-            fast_accum=self.fast_accum,
+            fast_accum=self.fast_accum, split_k=self.split_k,
         )
 
 

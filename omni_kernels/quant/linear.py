@@ -34,7 +34,9 @@ quantization with ``activation_backend="auto"`` is the custom CUDA/Triton op in
 eager mode and plain torch ops under ``torch.compile``, so that Inductor fuses it
 with whatever produces the layer's input (:func:`resolve_activation_backend`);
 ``"torch"`` asks for the torch ops in both modes, ``"cuda"``/``"triton"`` for the
-kernels in both.
+kernels in both. ``"split"`` (opt-in, not yet timed) chooses per layer under
+``torch.compile`` by the input width: torch ops for ``K <= split_k``, the kernel
+op above (see :func:`resolve_activation_backend`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ from omni_kernels.quant.reference import (
 logger = logging.getLogger(__name__)
 
 LINEAR_BACKENDS = ("auto", "aten", "triton", "torch")
+#: ``activation_backend`` values of a W8A8 layer: :data:`QUANTIZE_BACKENDS` and ``"split"``.
+ACTIVATION_BACKENDS = (*QUANTIZE_BACKENDS, "split")
+# An H200 profile of a compiled Flux step (bench/results/pipeline-profile-flux_nvidia-h200_20261129.md):
+# Inductor fuses the quantization of K=3072 inputs into one pass with their LayerNorm/modulation,
+# but splits the K=15360 proj_out input (cat + GELU) into two passes (10.8 ms a step vs 4.5 ms
+# for cat + GELU alone). The threshold between is a guess; the "split" variant of
+# bench/pipeline.py is what times it.
+DEFAULT_SPLIT_K = 8192
 QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
 _METHOD_DTYPES = {
     "fp8": FP8_DTYPE,
@@ -327,9 +337,30 @@ def weight_only_mm(
     return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
 
 
-def resolve_activation_backend(activation_backend: str) -> str:
-    """The :func:`quantize_per_token` backend a W8A8 layer runs: ``"auto"`` while
-    ``torch.compile`` traces is ``"torch"``, any other value is itself.
+def check_split_k(split_k, activation_backend: str, owner: str = "split_k") -> int | None:
+    """Validate ``split_k`` (``None`` or an int >= 0, only with ``activation_backend="split"``);
+    returns it with ``None`` resolved to :data:`DEFAULT_SPLIT_K` for ``"split"``."""
+    if split_k is None:
+        return DEFAULT_SPLIT_K if activation_backend == "split" else None
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 0:
+        raise ValueError(f"{owner} must be None or an int >= 0 (an input width K); got {split_k!r}")
+    if activation_backend != "split":
+        raise ValueError(
+            f"{owner}={split_k} applies only to activation_backend='split'; "
+            f"got activation_backend={activation_backend!r}"
+        )
+    return split_k
+
+
+def resolve_activation_backend(activation_backend: str, k: int | None = None,
+                               split_k: int | None = None) -> str:
+    """The :func:`quantize_per_token` backend a W8A8 layer with input width ``k`` runs.
+
+    ``"auto"`` while ``torch.compile`` traces is ``"torch"``; ``"split"`` while it
+    traces is ``"torch"`` for ``k <= split_k`` (default :data:`DEFAULT_SPLIT_K`) and
+    ``"auto"`` (the kernels' own choice: omni's CUDA or Triton op, the torch ops
+    only where neither can take the input) above; in eager mode both are
+    ``"auto"``. Any other value is itself.
 
     Under ``torch.compile`` the CUDA and Triton kernels are opaque custom ops:
     Inductor must write their input (the LayerNorm + adaLN modulation or the
@@ -339,7 +370,20 @@ def resolve_activation_backend(activation_backend: str) -> str:
     :func:`~omni_kernels.quant.reference.quantize_per_token_reference`), which
     Inductor fuses into the kernel that produces the input. In eager mode
     ``"auto"`` keeps the custom kernels (the reference is a slow float32 path there).
+
+    Inductor does not fuse every producer equally well: a wide input built by a
+    ``cat`` and a GELU (Flux's single blocks' ``proj_out``, K=15360) was split into
+    two passes over it, more than the kernel's one read of the materialized
+    input. ``"split"`` gives such wide layers the kernel and keeps the fused torch
+    ops for the narrow ones.
     """
+    if activation_backend == "split":
+        if k is None:
+            raise ValueError("activation_backend='split' needs the layer's input width k")
+        if not torch.compiler.is_compiling():
+            return "auto"
+        split_k = DEFAULT_SPLIT_K if split_k is None else split_k
+        return "torch" if k <= split_k else "auto"
     if activation_backend == "auto" and torch.compiler.is_compiling():
         return "torch"
     return activation_backend
@@ -356,12 +400,14 @@ def quantized_linear(
     activation_backend: str = "auto",
     clamp: float | None = None,
     fast_accum: bool | str = "auto",
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
 
     ``method`` is one of :data:`QUANT_METHODS`; W8A8 methods quantize ``x`` per
     token first (with ``clamp`` and ``activation_backend``, which
-    :func:`resolve_activation_backend` resolves: plain torch ops under ``torch.compile``).
+    :func:`resolve_activation_backend` resolves with ``K`` and ``split_k``: plain
+    torch ops under ``torch.compile`` for ``"auto"``).
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
@@ -371,7 +417,7 @@ def quantized_linear(
         out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
     else:
         x_q, x_scale = quantize_per_token(
-            x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend)
+            x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend, k, split_k)
         )
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     return out.reshape(*lead, w_q.shape[0])
@@ -391,6 +437,10 @@ class QuantizedLinear(nn.Module):
 
     Output dtype = input dtype. W8A8 methods (``"fp8"``, ``"int8"``) quantize
     the input per token on every call; weight-only methods do not.
+    ``activation_backend`` is one of :data:`ACTIVATION_BACKENDS`; ``split_k``
+    (``None``: :data:`DEFAULT_SPLIT_K`) is the widest input that
+    ``activation_backend="split"`` quantizes with torch ops under ``torch.compile``
+    (:func:`resolve_activation_backend`); it is an error with any other backend.
     """
 
     def __init__(
@@ -406,14 +456,16 @@ class QuantizedLinear(nn.Module):
         activation_backend: str = "auto",
         clamp: float | None = None,
         fast_accum: bool | str = "auto",
+        split_k: int | None = None,
     ) -> None:
         super().__init__()
         if method not in QUANT_METHODS:
             raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
         if backend not in LINEAR_BACKENDS:
             raise ValueError(f"backend must be one of {LINEAR_BACKENDS}; got {backend!r}")
-        if activation_backend not in QUANTIZE_BACKENDS:
-            raise ValueError(f"activation_backend must be one of {QUANTIZE_BACKENDS}; got {activation_backend!r}")
+        if activation_backend not in ACTIVATION_BACKENDS:
+            raise ValueError(f"activation_backend must be one of {ACTIVATION_BACKENDS}; got {activation_backend!r}")
+        self.split_k = check_split_k(split_k, activation_backend)
         self.in_features = in_features
         self.out_features = out_features
         self.method = method
@@ -455,6 +507,7 @@ class QuantizedLinear(nn.Module):
         return quantized_linear(
             x, self.qweight, self.weight_scale, self.bias, self.method, backend=self.backend,
             activation_backend=self.activation_backend, clamp=self.clamp, fast_accum=self.fast_accum,
+            split_k=self.split_k,
         )
 
     def forward_quantized(
@@ -493,4 +546,5 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, method={self.method!r}, backend={self.backend!r}"
+            + (f", activation_backend='split', split_k={self.split_k}" if self.activation_backend == "split" else "")
         )

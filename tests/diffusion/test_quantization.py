@@ -191,6 +191,11 @@ BAD_CONFIGS = [
     ("clamp", dict(clamp=0), r"QuantConfig\.clamp must be None or a finite number > 0; got 0"),
     ("clamp_inf", dict(clamp=float("inf")), r"QuantConfig\.clamp must be None or a finite number > 0"),
     ("fast_accum", dict(fast_accum="yes"), r"QuantConfig\.fast_accum must be True, False or 'auto'"),
+    ("split_k_negative", dict(activation_backend="split", split_k=-1),
+     r"QuantConfig\.split_k must be None or an int >= 0 \(an input width K\); got -1"),
+    ("split_k_float", dict(activation_backend="split", split_k=8192.0), r"QuantConfig\.split_k must be None or an int"),
+    ("split_k_without_split", dict(split_k=4096),
+     r"QuantConfig\.split_k=4096 applies only to activation_backend='split'; got activation_backend='auto'"),
 ]
 
 
@@ -544,6 +549,39 @@ def test_compiled_blocks_with_a_kernel_backend_trace_its_op():
     block_layers = [n for n in quantized_layers(model) if "transformer_blocks" in n]
     _, ops, _ = _quantize_ops_traced(model, inputs)
     assert len(ops) == len(block_layers) and set(ops) == {"omni_kernels.quantize_per_token_triton"}
+
+
+def test_split_activation_backend_config_reaches_the_layers():
+    config = QuantConfig(method="int8", activation_backend="split", split_k=40)
+    assert QuantConfig.from_dict(config.to_dict()) == config
+    assert QuantConfig(activation_backend="split").split_k is None  # the layers' default, 8192
+    model, _ = _tiny_flux()
+    quantize(model, config)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.activation_backend == "split" and m.split_k == 40 for m in layers)
+    model, _ = _tiny_flux()
+    quantize(model, QuantConfig(method="int8", activation_backend="split"))
+    assert {m.split_k for m in model.modules() if isinstance(m, QuantizedLinear)} == {8192}
+
+
+@pytest.mark.skipif(not quant_dispatch.triton_interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("split_k", [40, 128])
+def test_compiled_blocks_with_split_activation_backend_trace_the_op_for_wide_inputs_only(split_k):
+    """activation_backend="split" under compile: omni's op once per block layer wider than
+    split_k (split_k=128: the single block's proj_out, whose input is cat(attention, GELU(mlp)),
+    K=160; 40: also the two MLP down projections, K=128), torch ops for the rest. On CPU the
+    op is the Triton kernel under the interpreter (the CUDA kernel needs CUDA tensors; on a GPU
+    it would be the CUDA op). The traced blocks give eager's output, where every layer runs the
+    kernel."""
+    model, inputs = _tiny_flux()
+    quantize(model, QuantConfig(method="int8", backend="aten", activation_backend="split", split_k=split_k))
+    wide = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)
+            and "transformer_blocks" in n and m.in_features > split_k]
+    assert wide and ("single_transformer_blocks.0.proj_out" in wide)
+    eager = _run(model, inputs)
+    _, ops, traced = _quantize_ops_traced(model, inputs)
+    assert ops == ["omni_kernels.quantize_per_token_triton"] * len(wide)
+    assert _rel(traced, eager) <= COMPILED_VS_EAGER
 
 
 # =========================================================================== save / load

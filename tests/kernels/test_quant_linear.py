@@ -8,7 +8,8 @@ computed from the same quantized operands; the module (swap, dtype handling,
 state_dict, pre-quantized input); ``torch.library.opcheck`` and
 ``torch.compile(fullgraph=True)``; under ``torch.compile`` the ``"auto"``
 activation quantization is plain torch ops (no omni custom op in the graph),
-and Inductor's fused code gives eager's result.
+and Inductor's fused code gives eager's result; ``"split"`` traces omni's op for
+the layers wider than ``split_k`` only.
 
 GPU part (``-m gpu``): every backend at the Flux linear shapes (4608 tokens:
 3072->3072, 3072->12288, 12288->3072) against a float32 reference, the
@@ -36,6 +37,8 @@ from omni_kernels.quant import (
     scaled_mm,
     weight_only_mm,
 )
+from omni_kernels.quant.dispatch import supported_backends
+from omni_kernels.quant.linear import DEFAULT_SPLIT_K
 from omni_kernels.quant.reference import scaled_linear_reference, weight_only_linear_reference
 
 needs_interpreter = pytest.mark.skipif(
@@ -419,6 +422,84 @@ def test_inductor_compiled_block_matches_eager(inputs, method):
         torch._dynamo.reset()
         try:
             compiled = torch.compile(block, backend="inductor", fullgraph=True)(x, shift, scale)
+        finally:
+            torch._dynamo.reset()
+    assert _rel(compiled, eager) <= COMPILED_VS_EAGER
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(activation_backend="fused"), r"activation_backend must be one of \('auto', 'cuda', 'triton', 'torch', 'split'\); got 'fused'"),
+        (dict(activation_backend="split", split_k=-1), r"split_k must be None or an int >= 0 \(an input width K\); got -1"),
+        (dict(activation_backend="split", split_k="8192"), r"split_k must be None or an int >= 0"),
+        (dict(activation_backend="split", split_k=True), r"split_k must be None or an int >= 0"),
+        (dict(split_k=64), r"split_k=64 applies only to activation_backend='split'; got activation_backend='auto'"),
+    ],
+)
+def test_split_activation_backend_options_validate(options, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedLinear(32, 32, method="int8", **options)
+
+
+def test_split_activation_backend_defaults_and_resolution():
+    assert QuantizedLinear(32, 32, method="int8", activation_backend="split").split_k == DEFAULT_SPLIT_K == 8192
+    assert QuantizedLinear(32, 32, method="int8").split_k is None
+    # Eager: "split" is "auto" (the kernels' own choice) at any width.
+    assert resolve_activation_backend("split", 16384, 8192) == "auto"
+    assert resolve_activation_backend("split", 64) == "auto"
+    with pytest.raises(ValueError, match=r"activation_backend='split' needs the layer's input width k"):
+        resolve_activation_backend("split")
+
+    def probe(x):  # under compile: torch ops up to split_k (inclusive), the kernels above
+        return (x + (1.0 if resolve_activation_backend("split", 32, 32) == "torch" else 0.0)
+                + (10.0 if resolve_activation_backend("split", 33, 32) == "auto" else 0.0)
+                + (100.0 if resolve_activation_backend("split", DEFAULT_SPLIT_K + 1) == "auto" else 0.0))
+
+    torch._dynamo.reset()
+    out = torch.compile(probe, backend="eager", fullgraph=True)(torch.zeros(2))
+    torch._dynamo.reset()
+    assert torch.equal(out, torch.full((2,), 111.0))
+
+
+def _split_block(inputs, split_k):
+    """_Block (up: K=32, down: K=64), INT8, activation_backend="split" with ``split_k``."""
+    torch.manual_seed(inputs.seed)
+    block = _Block().eval()
+    for name in ("up", "down"):
+        setattr(block, name, QuantizedLinear.from_linear(
+            getattr(block, name), "int8", backend="aten", activation_backend="split", split_k=split_k))
+    return block
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split_k,kernel_layers", [(0, 2), (32, 1), (64, 0)])
+def test_split_activation_backend_traces_the_kernel_op_for_wide_layers_only(inputs, split_k, kernel_layers):
+    """Under compile, "split" traces omni's op only for layers wider than split_k (here the
+    K=64 ``down`` at split_k=32), and the graph gives eager's result (eager runs the kernel for
+    both). On CPU the kernels' "auto" order takes the Triton kernel (interpreter, float32): the
+    CUDA kernel needs CUDA tensors. On a GPU the op would be the CUDA one."""
+    x = inputs.activations((2, 5, 32), torch.float32)
+    reasons = supported_backends(x, "int8")
+    assert reasons["cuda"] is not None and reasons["triton"] is None
+    block = _split_block(inputs, split_k)
+    graphs, out = _dynamo_graphs(block, x)
+    assert len(graphs) == 1
+    assert _omni_quantize_ops(graphs[0]) == ["omni_kernels.quantize_per_token_triton"] * kernel_layers
+    with torch.no_grad():
+        eager = block(x)
+    assert _rel(out, eager) <= COMPILED_VS_EAGER
+
+
+@needs_interpreter
+def test_inductor_compiled_split_block_matches_eager(inputs):
+    block = _split_block(inputs, 32)
+    x = inputs.activations((2, 5, 32), torch.float32)
+    with torch.no_grad():
+        eager = block(x)
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(block, backend="inductor", fullgraph=True)(x)
         finally:
             torch._dynamo.reset()
     assert _rel(compiled, eager) <= COMPILED_VS_EAGER
