@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,9 @@ def base_environment(packages: tuple[str, ...] = ("triton", "diffusers")) -> dic
         argv=sys.argv,
         utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
+
+
+def device_slug(name: str, empty: str = "unknown-device") -> str:
+    """A device name as a file-name part: ``"NVIDIA H200"`` -> ``"nvidia-h200"`` (``empty``
+    when nothing is left)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or empty

@@ -38,7 +38,6 @@ import datetime as _dt
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -281,10 +280,6 @@ def _markdown(env, shapes, backends, rows, unavailable, table_entry) -> str:
     return "\n".join(lines)
 
 
-def _device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
-
-
 def _table_entry(env, shapes, rows, include_lossy: bool, previous: dict | None) -> dict:
     from omni_kernels.attention import get_backend, list_backends
 
@@ -394,7 +389,7 @@ def main(argv=None) -> int:
     env["wall_s"] = round(time.perf_counter() - started, 1)
 
     table_entry = None
-    stem = f"attention_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"attention_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.write_auto_table:
         path = args.auto_table_path

@@ -26,7 +26,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -52,10 +51,6 @@ WAN_720P_MAPS = [
 ]
 FRAMES_PER_CALL = 6
 RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
-
-
-def _device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cpu"
 
 
 def _bench_us(fn) -> float:
@@ -225,7 +220,7 @@ def main() -> int:
     kernel_rows = bench_kernels(dtype)
     decode_rows = [] if args.skip_decode else bench_decode(dtype, args.frames, args.repeats)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"halo_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"halo_{device_slug(env['device'], empty='cpu')}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(
         dict(environment=env, kernels=kernel_rows, decode=decode_rows), indent=2,
         default=str) + "\n")

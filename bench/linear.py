@@ -46,7 +46,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -57,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -463,10 +462,6 @@ def _markdown(env, linear_rows, step_rows) -> str:
     return "\n".join(lines)
 
 
-def _device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
-
-
 STEP_VARIANTS = ("fp8-eager", "fp8-compiled", "int8-eager")
 
 
@@ -526,7 +521,7 @@ def main(argv=None) -> int:
     env["elapsed_s"] = budget.elapsed()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"linear_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"linear_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, linear=linear_rows, transformer_step=step_rows), indent=2,
                    default=str) + "\n"

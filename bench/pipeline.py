@@ -65,7 +65,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -80,7 +79,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment  # noqa: E402
+from bench._environment import base_environment, device_slug  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_sage", "fp8_sageattention")
@@ -322,39 +321,41 @@ def auto_attention_choice(spec: ModelSpec, device: torch.device, dtype: torch.dt
 # --------------------------------------------------------------------------- timing
 
 
-def _forward(model, inputs):
+def forward_once(model, inputs):
+    """One transformer forward under inference mode; its first output tensor."""
     with torch.inference_mode():
         out = model(**inputs)
     return out[0] if isinstance(out, (tuple, list)) else out.sample
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def time_variant(model, inputs, warmup: int, iters: int, device: torch.device) -> tuple[dict, torch.Tensor]:
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
-    out = _forward(model, inputs)
-    _sync(device)
+    out = forward_once(model, inputs)
+    synchronize(device)
     first_s = time.perf_counter() - start
     for _ in range(warmup):
-        _forward(model, inputs)
-    _sync(device)
+        forward_once(model, inputs)
+    synchronize(device)
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             begin.record()
-            _forward(model, inputs)
+            forward_once(model, inputs)
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
         else:
             begin_s = time.perf_counter()
-            _forward(model, inputs)
+            forward_once(model, inputs)
             times.append((time.perf_counter() - begin_s) * 1e3)
     return dict(first_call_s=round(first_s, 2), forward_ms=statistics.median(times),
                 forward_min_ms=min(times), forward_all_ms=[round(t, 3) for t in times]), out
@@ -502,10 +503,6 @@ def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     default_models = os.environ.get("OMNI_PIPELINE_MODELS", "flux wan").split()
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
@@ -571,7 +568,7 @@ def main(argv=None) -> int:
     subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
     if args.smoke:
         subset += "-smoke"
-    stem = f"pipeline{subset}_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"pipeline{subset}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(
         dict(environment=env, models=infos, results=rows, targets=targets(rows)),

@@ -28,18 +28,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._environment import base_environment  # noqa: E402
+from bench._environment import base_environment, device_slug  # noqa: E402
 from bench.pipeline import (  # noqa: E402
     MODELS,
     VARIANT_LABELS,
     VARIANTS,
     Skip,
-    _device_slug,
-    _forward,
-    _sync,
     apply_variant,
     build_transformer,
+    forward_once,
     make_inputs,
+    synchronize,
 )
 
 #: kernel-name patterns, first match wins (cuBLAS/CUTLASS/cuDNN/Inductor naming on Hopper)
@@ -63,17 +62,17 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
-        _forward(model, inputs)
-    _sync(device)
+        forward_once(model, inputs)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
-        _forward(model, inputs)
-    _sync(device)
+        forward_once(model, inputs)
+    synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3 / iters
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            _forward(model, inputs)
-        _sync(device)
+            forward_once(model, inputs)
+        synchronize(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     env = base_environment()
     env["command"] = " ".join(["python3", "bench/pipeline_profile.py", *(argv or sys.argv[1:])])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / (f"pipeline-profile-{args.model}_{_device_slug(env['device'])}_"
+    stem = args.out_dir / (f"pipeline-profile-{args.model}_{device_slug(env['device'])}_"
                            f"{_dt.date.today():%Y%m%d}")
     stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, model=spec.name, rows=rows), indent=2))
     text = markdown(env, args.model, rows)

@@ -45,7 +45,6 @@ import datetime as _dt
 import json
 import math
 import os
-import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -477,10 +476,6 @@ def _markdown(env: dict, shapes, rows) -> str:
     return "\n".join(lines)
 
 
-def _device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark fused QK-RMSNorm + RoPE (omni triton/cuda) against diffusers' "
@@ -533,7 +528,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"qk_norm_rope_{_device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"qk_norm_rope_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     shape_info = [dict(vars(s).items()) for s in shapes]
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, dtype=args.dtype, shapes=shape_info, results=rows),

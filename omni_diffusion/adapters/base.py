@@ -269,6 +269,31 @@ class TensorParallelPlan:
     sharded_norms: tuple[str, ...] = ()
 
 
+
+#: Tensor-parallel plan of diffusers' Flux-style blocks, by their module names: dual-stream
+#: ``transformer_blocks`` (image and text streams, joint attention) then single-stream
+#: ``single_transformer_blocks`` (q/k/v and the MLP in parallel, one ``proj_out`` over
+#: ``cat([attention, mlp])``). FluxTransformer2DModel and HunyuanVideoTransformer3DModel both use
+#: this layout; an adapter extends it with its own extra modules.
+DUAL_SINGLE_STREAM_TP = TensorParallelPlan(
+    colwise=(
+        "transformer_blocks.*.attn.to_[qkv]",
+        "transformer_blocks.*.attn.add_[qkv]_proj",
+        "transformer_blocks.*.ff.net.0.proj",
+        "transformer_blocks.*.ff_context.net.0.proj",
+        "single_transformer_blocks.*.attn.to_[qkv]",
+        "single_transformer_blocks.*.proj_mlp",
+    ),
+    rowwise=(
+        "transformer_blocks.*.attn.to_out.0",
+        "transformer_blocks.*.attn.to_add_out",
+        "transformer_blocks.*.ff.net.2",
+        "transformer_blocks.*.ff_context.net.2",
+    ),
+    # its input is cat([attention output, mlp hidden]), each column-split
+    packed_rowwise=("single_transformer_blocks.*.proj_out",),
+)
+
 class ModelAdapter:
     """Base class of the per-family adapters; see the module docstring."""
 

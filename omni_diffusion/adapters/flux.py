@@ -31,13 +31,13 @@ from torch import nn
 
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
+    DUAL_SINGLE_STREAM_TP,
     BlockCall,
     BlockList,
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
     SequenceParallelPlan,
-    TensorParallelPlan,
     modulated_norm_input,
 )
 
@@ -66,24 +66,7 @@ class FluxAdapter(ModelAdapter):
         joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
         rotary_arg="image_rotary_emb", rotary_seq_dim=0, rotary_covers_text=True,
     )
-    tensor_parallel = TensorParallelPlan(
-        colwise=(
-            "transformer_blocks.*.attn.to_[qkv]",
-            "transformer_blocks.*.attn.add_[qkv]_proj",
-            "transformer_blocks.*.ff.net.0.proj",
-            "transformer_blocks.*.ff_context.net.0.proj",
-            "single_transformer_blocks.*.attn.to_[qkv]",
-            "single_transformer_blocks.*.proj_mlp",
-        ),
-        rowwise=(
-            "transformer_blocks.*.attn.to_out.0",
-            "transformer_blocks.*.attn.to_add_out",
-            "transformer_blocks.*.ff.net.2",
-            "transformer_blocks.*.ff_context.net.2",
-        ),
-        # its input is cat([attention output, mlp hidden]), each column-split
-        packed_rowwise=("single_transformer_blocks.*.proj_out",),
-    )
+    tensor_parallel = DUAL_SINGLE_STREAM_TP
     quant_skip = (
         "x_embedder",
         "context_embedder",

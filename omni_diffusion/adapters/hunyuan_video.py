@@ -38,6 +38,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -45,13 +46,13 @@ from torch import nn
 
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
+    DUAL_SINGLE_STREAM_TP,
     BlockCall,
     BlockList,
     CFGInfo,
     ModelAdapter,
     SequenceLayout,
     SequenceParallelPlan,
-    TensorParallelPlan,
     modulated_norm_input,
 )
 
@@ -79,27 +80,17 @@ class HunyuanVideoAdapter(ModelAdapter):
         mask_arg="attention_mask", mask_seq_dim=-1,
         leading_image_count_args=("num_tokens",),
     )
-    tensor_parallel = TensorParallelPlan(
-        colwise=(
-            "transformer_blocks.*.attn.to_[qkv]",
-            "transformer_blocks.*.attn.add_[qkv]_proj",
-            "transformer_blocks.*.ff.net.0.proj",
-            "transformer_blocks.*.ff_context.net.0.proj",
-            "single_transformer_blocks.*.attn.to_[qkv]",
-            "single_transformer_blocks.*.proj_mlp",
+    # Flux's block layout plus the text token refiner's blocks
+    tensor_parallel = dataclasses.replace(
+        DUAL_SINGLE_STREAM_TP,
+        colwise=DUAL_SINGLE_STREAM_TP.colwise + (
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_[qkv]",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.0.proj",
         ),
-        rowwise=(
-            "transformer_blocks.*.attn.to_out.0",
-            "transformer_blocks.*.attn.to_add_out",
-            "transformer_blocks.*.ff.net.2",
-            "transformer_blocks.*.ff_context.net.2",
+        rowwise=DUAL_SINGLE_STREAM_TP.rowwise + (
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_out.0",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.2",
         ),
-        # its input is cat([attention output, mlp hidden]), each column-split
-        packed_rowwise=("single_transformer_blocks.*.proj_out",),
     )
     quant_skip = (
         "x_embedder.*",

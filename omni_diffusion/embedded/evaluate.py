@@ -194,14 +194,12 @@ def main(argv=None) -> None:
         print(f"classifier test accuracy: {digit_classifier().test_accuracy:.4f}")
         print(f"adherence over {args.n}: {image_adherence(pipe, args.n, args.steps, args.seed):.3f}")
         return
-    from .evaluate_video import frame_digit_classifier, generate_videos, score_clips, video_targets
+    from .evaluate_video import frame_digit_classifier, generate_videos, video_hits, video_targets
 
     print(f"frame classifier test accuracy: {frame_digit_classifier().test_accuracy:.4f}")
     digits, directions = video_targets(args.n)
     clips = generate_videos(pipe, digits, directions, steps=args.steps, seed=args.seed)
-    got_digits, got_directions = score_clips(clips)
-    digit_ok = np.asarray(got_digits) == np.asarray(digits)
-    direction_ok = np.asarray([g == d for g, d in zip(got_directions, directions)])
+    digit_ok, direction_ok = video_hits(clips, digits, directions)
     print(f"video adherence over {args.n} (digit and direction): {np.mean(digit_ok & direction_ok):.3f} "
           f"(digit {digit_ok.mean():.3f}, direction {direction_ok.mean():.3f})")
 

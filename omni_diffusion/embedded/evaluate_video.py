@@ -202,11 +202,19 @@ def score_clips(clips) -> tuple[np.ndarray, list[str | None]]:
     return digits, motion_direction(ink_centroids(clips))
 
 
+def video_hits(clips, digits, directions) -> tuple[np.ndarray, np.ndarray]:
+    """Per clip, whether it reads as the prompted digit and whether it moves in the prompted
+    direction: two boolean arrays ``(N,)``."""
+    got_digits, got_dirs = score_clips(clips)
+    digit_ok = np.asarray(got_digits) == np.asarray(digits)
+    direction_ok = np.asarray([g == d for g, d in zip(got_dirs, directions)], dtype=bool)
+    return digit_ok, direction_ok
+
+
 def video_adherence(clips, digits, directions) -> float:
     """The fraction of clips read as the prompted digit moving in the prompted direction."""
-    got_digits, got_dirs = score_clips(clips)
-    ok = [(gd == d) and (gm == m) for gd, gm, d, m in zip(got_digits, got_dirs, digits, directions)]
-    return float(np.mean(ok))
+    digit_ok, direction_ok = video_hits(clips, digits, directions)
+    return float(np.mean(digit_ok & direction_ok))
 
 
 def video_targets(n: int) -> tuple[list[int], list[str]]:

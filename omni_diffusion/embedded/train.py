@@ -44,16 +44,17 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def optimizer_step(opt, sched, loss: torch.Tensor, clip_params=None) -> float:
+def optimizer_step(opt, sched, loss: torch.Tensor, clip_params=None) -> torch.Tensor:
     """Backpropagate ``loss``, clip the gradients of ``clip_params`` to norm 1 (when given),
-    step the optimizer and its schedule; returns the loss value."""
+    step the optimizer and its schedule; returns the loss, detached, on its device (reading
+    it as a number every step would synchronize a GPU; format it when logging)."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if clip_params is not None:
         torch.nn.utils.clip_grad_norm_(clip_params, 1.0)
     opt.step()
     sched.step()
-    return loss.item()
+    return loss.detach()
 
 
 def build_image_pipeline():

@@ -223,17 +223,10 @@ def _train_transformer(pipe, latents: torch.Tensor, digits: torch.Tensor, dirs: 
         xt = (1 - s) * x0 + s * noise
         pred = transformer(hidden_states=xt, timestep=sigma * 1000,
                            encoder_hidden_states=embeds[cond.to(device)], return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        # a running mean kept on the device: reading the loss every step would sync a GPU
-        loss = loss.detach()
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        loss = optimizer_step(opt, sched, torch.nn.functional.mse_loss(pred, noise - x0), params)
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss  # on the device: no sync a step
         if step % 100 == 0 or step == steps - 1:
-            log(f"transformer step {step:5d}  loss {ema.item():.4f}")
+            log(f"transformer step {step:5d}  loss {ema:.4f}")
     transformer.eval()
     text_encoder.eval()
 
