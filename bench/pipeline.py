@@ -24,8 +24,15 @@ Variants (each applied to the same model and undone before the next):
     q/k/v projection quantizes its input and runs its GEMM on its own.
 (d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization), its
     defaults: the attention q/k/v triples fused into one linear each (one activation
-    quantization, one GEMM), and under compile the activation quantization as torch ops that
-    Inductor fuses into the LayerNorm/modulation/GELU producing the input.
+    quantization, one GEMM), the MLP GELUs folded into the quantization of the layers reading
+    them (omni's Triton kernel reads the pre-activation once: ``fuse_activations``), and under
+    compile the other activation quantizations as torch ops that Inductor fuses into the
+    LayerNorm/modulation producing the input.
+(d3) ``omni_fp8_unfolded`` (only when asked for with ``--variants``): (d) with
+    ``fuse_activations=False``: the GELUs stay modules and Inductor fuses GELU + quantization
+    (the (d) of earlier runs); (d3) vs (d) is the gain of the folded GELU.
+(d4) ``omni_fp8_cuda_graphs`` (only when asked for with ``--variants``): (d) with the compiled
+    blocks captured as CUDA graphs (``cuda_graphs=True``, compile mode ``reduce-overhead``).
 (d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
     activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
     Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
@@ -82,9 +89,9 @@ if str(REPO_ROOT) not in sys.path:
 from bench._environment import base_environment, device_slug  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
-            "omni_fp8_split_quant", "omni_fp8_sage", "fp8_sageattention")
-# Activation-quantization experiments, run only when --variants names them.
-_OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant")
+            "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_sage", "fp8_sageattention")
+# Activation-quantization and launch experiments, run only when --variants names them.
+_OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -97,6 +104,8 @@ VARIANT_LABELS = {
     "omni_fp8": "(d) (c) + FP8 linears",
     "omni_fp8_kernel_quant": "(d1) (d), activation quantization as omni's kernel op",
     "omni_fp8_split_quant": "(d2) (d), activation quantization as omni's kernel op for K > 8192 only",
+    "omni_fp8_unfolded": "(d3) (d), MLP GELUs not folded into the quantization",
+    "omni_fp8_cuda_graphs": "(d4) (d) + CUDA graphs",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
 }
@@ -291,7 +300,14 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         if variant == "omni_fp8_split_quant":
             _kernel_activation_backend(device)  # the wide layers need a kernel: Skip without one
             options["activation_backend"] = "split"  # split_k: the default, 8192
-        config = _omni_config(attention="auto", quant_options=options, **quant, **common)
+        if variant == "omni_fp8_unfolded":
+            options["fuse_activations"] = False
+        graphs = {}
+        if variant == "omni_fp8_cuda_graphs":
+            if device.type != "cuda":
+                raise Skip("CUDA graphs need a CUDA device")
+            graphs["cuda_graphs"] = True
+        config = _omni_config(attention="auto", quant_options=options, **quant, **common, **graphs)
     elif variant in _QUANTIZED_ATTENTION:
         _check_fp8(device)
         from omni_kernels.attention import get_backend

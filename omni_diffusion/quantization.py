@@ -41,6 +41,18 @@ only, per-output-channel weight scales on their own row. Tensor parallelism
 (``accelerate()`` orders it so); fusing then concatenates this rank's shards,
 whose ``chunk(3)`` are this rank's heads of q, k and v, so the two compose.
 
+A GELU whose output one W8A8 layer alone reads (a DiT's MLP down projection;
+Flux's and HunyuanVideo's single blocks' ``proj_out``, which reads
+``cat(attention, GELU(proj_mlp(x)))``) is folded into that layer
+(``QuantConfig.fuse_activations``, on by default for W8A8), where the adapter
+declares it (:attr:`omni_diffusion.adapters.base.ModelAdapter.activation_fusions`):
+the GELU module goes (``nn.GELU`` becomes ``nn.Identity``; diffusers' ``GELU``
+becomes :class:`GELUProjection`, its ``proj`` alone) and the layer applies the
+GELU in its quantization pass (``QuantizedLinear.input_activation``,
+:func:`omni_kernels.quant.quantize_activated_per_token`), so the GELU's output
+is never written in 16 bits. The GELU is computed in float32 and quantized
+without rounding it to bfloat16 first (the unfused path rounds it once).
+
 A ``skip`` or ``include`` pattern that matches no module at all raises
 ``ValueError`` (a typo would otherwise silently quantize a layer meant to stay
 bf16). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
@@ -92,6 +104,9 @@ _METADATA_FORMAT_KEY = "omni_quant_format"
 _METADATA_LAYERS_KEY = "omni_quant_layers"
 _METADATA_CONFIG_KEY = "omni_quant_config"
 _METADATA_FUSED_KEY = "omni_quant_fused_attention"
+_METADATA_ACTIVATIONS_KEY = "omni_quant_fused_activations"
+# Where quantize() records the GELUs it folded into their consumers (module.__dict__).
+_ACTIVATION_RECORD_ATTR = "_omni_fused_activations"
 # The projections diffusers' fuse_projections() merges: fused layer, then its members in output order.
 _FUSED_PROJECTIONS = (
     ("to_qkv", ("to_q", "to_k", "to_v")),
@@ -139,6 +154,11 @@ class QuantConfig:
             methods, off for weight-only ones (no activation quantization to
             save). Not yet timed on a GPU: ``bench/pipeline.py`` rows (d) and
             (d0) compare the two.
+        fuse_activations: fold the GELUs the model's adapter declares
+            (module docstring) into the W8A8 layer reading their output. ``None``
+            (default): on for W8A8 methods unless ``activation_backend="cuda"``
+            (the fused quantization has Triton and torch backends only); ``True``
+            with a weight-only method or ``"cuda"`` is an error.
 
     ``activation_backend="auto"`` runs omni's CUDA/Triton kernel in eager mode
     and, under ``torch.compile``, the reference's plain torch ops, which Inductor
@@ -164,6 +184,7 @@ class QuantConfig:
     fast_accum: bool | str = "auto"
     fuse_projections: bool | None = None
     split_k: int | None = None
+    fuse_activations: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -195,9 +216,32 @@ class QuantConfig:
                 f"got {self.fuse_projections!r}"
             )
 
+        if self.fuse_activations is not None and not isinstance(self.fuse_activations, bool):
+            raise ValueError(
+                f"QuantConfig.fuse_activations must be True, False or None (on for W8A8 methods); "
+                f"got {self.fuse_activations!r}"
+            )
+        if self.fuse_activations and self.weight_only:
+            raise ValueError(
+                f"QuantConfig.fuse_activations=True needs a W8A8 method (it folds a GELU into the "
+                f"activation quantization); got method {self.method!r}"
+            )
+        if self.fuse_activations and self.activation_backend == "cuda":
+            raise ValueError(
+                "QuantConfig.fuse_activations=True: the GELU-fused quantization has Triton and torch "
+                "backends only; got activation_backend='cuda' (use 'auto', 'split', 'triton' or 'torch')"
+            )
+
     @property
     def weight_only(self) -> bool:
         return self.method.endswith("_weight_only")
+
+    @property
+    def fuses_activations(self) -> bool:
+        """``fuse_activations`` with ``None`` resolved (module docstring)."""
+        if self.fuse_activations is not None:
+            return self.fuse_activations
+        return not self.weight_only and self.activation_backend != "cuda"
 
     @property
     def fuses_projections(self) -> bool:
@@ -506,6 +550,118 @@ def unfuse_projections(module: nn.Module) -> None:
     module.__dict__.pop(_FUSION_RECORD_ATTR, None)
 
 
+# --------------------------------------------------------------------------- activation fusion
+
+
+class GELUProjection(nn.Module):
+    """diffusers' ``GELU`` module (``proj`` then a GELU) without its GELU: the linear layer
+    reading its output applies the GELU instead (``QuantizedLinear.input_activation``).
+    ``proj`` keeps its name, so ``state_dict`` keys do not change."""
+
+    def __init__(self, gelu: nn.Module) -> None:
+        super().__init__()
+        self.proj = gelu.proj
+        self.approximate = gelu.approximate
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.proj(hidden_states)
+
+
+@dataclass(frozen=True)
+class _ActivationSite:
+    """One GELU to fold: full module names and the consumer's first activated input column."""
+
+    activation: str
+    consumer: str
+    activation_from: int
+
+
+def _is_tanh_gelu(module: nn.Module) -> str | None:
+    """``"module"`` for ``nn.GELU(approximate="tanh")``, ``"projection"`` for diffusers'
+    ``GELU`` with ``approximate="tanh"`` (a ``proj`` linear then the GELU), else ``None``."""
+    if isinstance(module, nn.GELU):
+        return "module" if module.approximate == "tanh" else None
+    names = {cls.__name__ for cls in type(module).__mro__}
+    if "GELU" in names and getattr(module, "approximate", None) == "tanh" and isinstance(
+        getattr(module, "proj", None), (nn.Linear, QuantizedLinear)
+    ):
+        return "projection"
+    return None
+
+
+def plan_activation_fusion(module: nn.Module, adapter: ModelAdapter | None) -> list[_ActivationSite]:
+    """The GELUs of ``module`` that :func:`quantize` folds into the W8A8 layer reading them.
+
+    For each of the adapter's :class:`~omni_diffusion.adapters.base.ActivationFusion`, every
+    module of its owner class where the activation is a tanh GELU, the passthrough modules
+    are dropouts or identities and the consumer is a W8A8 :class:`QuantizedLinear` (so run
+    it after the layers are quantized) that applies no activation yet. Anything else is
+    left as it is (logged at debug level).
+    """
+    if adapter is None or not adapter.activation_fusions:
+        return []
+    sites = []
+    for owner_name, owner in module.named_modules():
+        owner_classes = {cls.__name__ for cls in type(owner).__mro__}
+        for fusion in adapter.activation_fusions:
+            if fusion.owner_class not in owner_classes:
+                continue
+            prefix = f"{owner_name}." if owner_name else ""
+            try:
+                activation = owner.get_submodule(fusion.activation)
+                consumer = owner.get_submodule(fusion.consumer)
+                between = [owner.get_submodule(name) for name in fusion.passthrough]
+                source = owner.get_submodule(fusion.concatenated_after) if fusion.concatenated_after else None
+            except AttributeError as exc:
+                logger.debug("quantize: not folding the GELU of %s: %s", owner_name, exc)
+                continue
+            why = (
+                "the activation is not a tanh GELU" if _is_tanh_gelu(activation) is None else
+                "a module between is not a dropout/identity"
+                if not all(isinstance(m, (nn.Dropout, nn.Identity)) for m in between) else
+                "its consumer is not a W8A8 QuantizedLinear"
+                if not isinstance(consumer, QuantizedLinear) or consumer.weight_only else
+                "its consumer already applies an activation" if consumer.input_activation is not None else
+                None
+            )
+            activation_from = 0
+            if why is None and source is not None:
+                width = getattr(source, "out_features", None)
+                activation_from = consumer.in_features - width if isinstance(width, int) else -1
+                if not 0 < activation_from < consumer.in_features:
+                    why = f"{fusion.concatenated_after} does not fill the end of the consumer's input"
+            if why is not None:
+                logger.debug("quantize: not folding %s%s into %s%s: %s", prefix, fusion.activation, prefix,
+                             fusion.consumer, why)
+                continue
+            sites.append(_ActivationSite(prefix + fusion.activation, prefix + fusion.consumer, activation_from))
+    return sites
+
+
+def _fold_activation(module: nn.Module, site: _ActivationSite) -> None:
+    activation = module.get_submodule(site.activation)
+    kind = _is_tanh_gelu(activation)
+    if kind is None:
+        raise ValueError(f"cannot fold {site.activation}: a {type(activation).__name__}, not a tanh GELU")
+    consumer = module.get_submodule(site.consumer)
+    if not isinstance(consumer, QuantizedLinear):
+        raise ValueError(f"cannot fold {site.activation} into {site.consumer}: not a QuantizedLinear")
+    consumer.set_input_activation("gelu_tanh", site.activation_from)
+    _replace(module, site.activation, nn.Identity() if kind == "module" else GELUProjection(activation))
+
+
+def _record_activations(module: nn.Module, sites: list[_ActivationSite]) -> None:
+    if sites:
+        module.__dict__[_ACTIVATION_RECORD_ATTR] = [*module.__dict__.get(_ACTIVATION_RECORD_ATTR, []), *sites]
+
+
+def fused_activations(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{consumer: {"activation": name, "activation_from": column}}`` of the GELUs
+    :func:`quantize` (or :func:`load_quantized`) folded into quantized layers of ``module``."""
+    return {site.consumer: {"activation": site.activation, "activation_from": site.activation_from}
+            for site in module.__dict__.get(_ACTIVATION_RECORD_ATTR, [])}
+
+
 # --------------------------------------------------------------------------- quantize
 
 
@@ -578,11 +734,19 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
             _unfuse_attention(module, record, removed)
         raise
     _record_fusion(module, fused)
+    folded: list[_ActivationSite] = []
+    if config.fuses_activations and replaced is None:
+        sites = plan_activation_fusion(module, _resolve_adapter(module, adapter))
+        for site in sites:
+            _fold_activation(module, site)
+        _record_activations(module, sites)
+        folded = sites
     kept = [p for p in plans if p.action == "keep"]
     logger.info(
-        "quantize: %s: %d of %d linear layers to %s%s; %d kept in full precision%s",
+        "quantize: %s: %d of %d linear layers to %s%s%s; %d kept in full precision%s",
         type(module).__name__, len(plans) - len(kept), len(plans), config.method,
-        f" ({len(fused)} attention modules' q/k/v fused)" if fused else "", len(kept),
+        f" ({len(fused)} attention modules' q/k/v fused)" if fused else "",
+        f" ({len(folded)} GELUs folded into their consumers' quantization)" if folded else "", len(kept),
         (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
         if kept else "",
     )
@@ -598,7 +762,8 @@ def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConf
     """Write ``module``'s whole ``state_dict`` (quantized and full-precision parts) to a safetensors file.
 
     The file's metadata records which layers are quantized and how, which
-    attention modules have fused projections (and ``config``, when given), so
+    attention modules have fused projections, which GELUs are folded into their
+    consumers (and ``config``, when given), so
     :func:`load_quantized` rebuilds the same layers without quantizing anything.
     """
     layers = quantized_layers(module)
@@ -609,6 +774,8 @@ def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConf
     metadata = {_METADATA_FORMAT_KEY: _FORMAT, _METADATA_LAYERS_KEY: json.dumps(layers)}
     if fused_attention(module):
         metadata[_METADATA_FUSED_KEY] = json.dumps(fused_attention(module))
+    if fused_activations(module):
+        metadata[_METADATA_ACTIVATIONS_KEY] = json.dumps(fused_activations(module))
     if config is not None:
         metadata[_METADATA_CONFIG_KEY] = json.dumps(QuantConfig.from_dict(config).to_dict())
     tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
@@ -635,7 +802,8 @@ def load_quantized(
     its method must match the file's, its backend options apply to the layers
     (default: the options saved in the file, else the defaults). Attention
     modules the file has fused projections for are fused in ``module`` first,
-    with ``adapter``'s processors (default: the adapter of ``module``'s class).
+    with ``adapter``'s processors (default: the adapter of ``module``'s class),
+    and the GELUs it folded into their consumers are folded again.
 
     Raises:
         ValueError: not an omni quantized file, a config whose method differs,
@@ -705,6 +873,15 @@ def load_quantized(
         )
         new.train(layer.training)
         _replace(module, name, new)
+
+    sites = [_ActivationSite(entry["activation"], consumer, int(entry["activation_from"]))
+             for consumer, entry in json.loads(metadata.get(_METADATA_ACTIVATIONS_KEY, "{}")).items()]
+    for site in sites:
+        try:
+            _fold_activation(module, site)
+        except AttributeError:
+            raise ValueError(f"{path} folds {site.activation} into {site.consumer}, which {model} does not have") from None
+    _record_activations(module, sites)
 
     state = load_file(path, device=str(device))
     result = module.load_state_dict(state, strict=False, assign=True)

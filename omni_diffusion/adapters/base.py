@@ -39,6 +39,42 @@ Undo = Callable[[], None]
 
 
 @dataclasses.dataclass(frozen=True)
+class ActivationFusion:
+    """A tanh GELU whose output one linear layer alone reads, in every module of one class.
+
+    W8A8 quantization (``QuantConfig.fuse_activations``) removes the GELU and has
+    the quantized linear apply it in its activation-quantization pass
+    (:func:`omni_kernels.quant.quantize_activated_per_token`): the GELU's output
+    is never written in 16 bits.
+
+    Args:
+        owner_class: class name (matched along the MRO) of the modules holding
+            both: diffusers' ``FeedForward``, ``FluxSingleTransformerBlock``...
+        activation: attribute path, in the owner, of an ``nn.GELU(approximate="tanh")``
+            or of diffusers' ``GELU`` module with ``approximate="tanh"`` (its
+            ``proj`` stays, its GELU goes).
+        consumer: attribute path of the linear layer reading the activation's output.
+        concatenated_after: ``None`` when the consumer reads the activation's output
+            as it is. Otherwise the attribute path of the linear layer the activation
+            reads, for a consumer that reads ``cat([other, activation output], -1)``:
+            the activated columns are the consumer's last ``out_features`` of that
+            layer (Flux's single blocks: ``proj_out(cat(attn, GELU(proj_mlp(x))))``).
+        passthrough: attribute paths of modules between the activation and the
+            consumer, each an ``nn.Dropout`` or ``nn.Identity`` (identities at inference).
+    """
+
+    owner_class: str
+    activation: str
+    consumer: str
+    concatenated_after: str | None = None
+    passthrough: tuple[str, ...] = ()
+
+
+#: diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"``: ``net = [GELU(proj), Dropout, Linear]``
+FEED_FORWARD_GELU = ActivationFusion("FeedForward", activation="net.0", consumer="net.2", passthrough=("net.1",))
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockList:
     """One ``nn.ModuleList`` of repeated transformer blocks, run in order.
 
@@ -327,6 +363,9 @@ class ModelAdapter:
     #: ``to_added_qkv``), so one activation quantization and one GEMM serve all three
     #: (``QuantConfig.fuse_projections``); see :meth:`fused_attention_processor`
     fusable_attention: ClassVar[tuple[str, ...]] = ()
+    #: GELUs that W8A8 quantization folds into the linear layer reading their output
+    #: (:class:`ActivationFusion`; ``QuantConfig.fuse_activations``)
+    activation_fusions: ClassVar[tuple[ActivationFusion, ...]] = ()
 
     # ------------------------------------------------------------------ structure
 

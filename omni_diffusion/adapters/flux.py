@@ -32,6 +32,8 @@ from torch import nn
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
+    FEED_FORWARD_GELU,
+    ActivationFusion,
     BlockCall,
     BlockList,
     CFGInfo,
@@ -76,6 +78,13 @@ class FluxAdapter(ModelAdapter):
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
+    )
+    # The MLP GELUs (dual-stream blocks' ff/ff_context, single blocks' act_mlp) fold into
+    # the layers reading them under W8A8 (QuantConfig.fuse_activations).
+    activation_fusions = (
+        FEED_FORWARD_GELU,
+        ActivationFusion("FluxSingleTransformerBlock", activation="act_mlp", consumer="proj_out",
+                         concatenated_after="proj_mlp"),
     )
     fusable_attention = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
     cache_disabling_kwargs = ("controlnet_block_samples", "controlnet_single_block_samples")

@@ -47,6 +47,8 @@ from torch import nn
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
+    FEED_FORWARD_GELU,
+    ActivationFusion,
     BlockCall,
     BlockList,
     CFGInfo,
@@ -101,6 +103,12 @@ class HunyuanVideoAdapter(ModelAdapter):
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
+    )
+    # Single blocks: proj_out reads cat(attention, GELU(proj_mlp(x))), as in Flux.
+    activation_fusions = (
+        FEED_FORWARD_GELU,
+        ActivationFusion("HunyuanVideoSingleTransformerBlock", activation="act_mlp", consumer="proj_out",
+                         concatenated_after="proj_mlp"),
     )
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:

@@ -39,6 +39,7 @@ from torch import nn
 
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
+    FEED_FORWARD_GELU,
     BlockCall,
     BlockList,
     CFGInfo,
@@ -86,6 +87,7 @@ class QwenImageAdapter(ModelAdapter):
         "transformer_blocks.*.img_mod.*",
         "transformer_blocks.*.txt_mod.*",
     )
+    activation_fusions = (FEED_FORWARD_GELU,)
     cache_disabling_kwargs = ("controlnet_block_samples",)
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:

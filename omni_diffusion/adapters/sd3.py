@@ -33,6 +33,7 @@ from torch import nn
 
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
+    FEED_FORWARD_GELU,
     BlockCall,
     BlockList,
     CFGInfo,
@@ -180,6 +181,7 @@ class SD3Adapter(ModelAdapter):
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
     )
+    activation_fusions = (FEED_FORWARD_GELU,)
     fusable_attention = ("transformer_blocks.*.attn", "transformer_blocks.*.attn2")
     cache_disabling_kwargs = ("block_controlnet_hidden_states",)
 

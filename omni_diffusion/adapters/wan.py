@@ -27,6 +27,7 @@ from torch import nn
 
 from omni_diffusion.adapters import register_adapter
 from omni_diffusion.adapters.base import (
+    FEED_FORWARD_GELU,
     BlockCall,
     BlockList,
     CFGInfo,
@@ -65,6 +66,7 @@ class WanAdapter(ModelAdapter):
         sharded_norms=("blocks.*.attn[12].norm_[qk]", "blocks.*.attn2.norm_added_k"),
     )
     quant_skip = ("patch_embedding", "condition_embedder.*", "proj_out")
+    activation_fusions = (FEED_FORWARD_GELU,)
     teacache_warmup_steps = 5
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:

@@ -5,6 +5,8 @@
   LayerNorm and the adaLN modulation before a linear layer. Backends
   ``"cuda"`` (``csrc/quant/``), ``"triton"`` (:mod:`.triton_kernel`),
   ``"torch"`` (:mod:`.reference`).
+* :func:`quantize_activated_per_token`: the same quantization of a GELU's output,
+  the GELU applied in the quantization pass (Triton, :mod:`.activated_triton_kernel`).
 * :func:`quantize_weight`: per-output-channel weight quantization (once, at load time).
 * :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
@@ -15,6 +17,7 @@
   plain torch ops under ``torch.compile`` (:func:`resolve_activation_backend`).
 """
 
+from omni_kernels.quant.activated import ACTIVATED_QUANTIZE_BACKENDS, quantize_activated_per_token
 from omni_kernels.quant.dispatch import (
     FP8_MIN_CAPABILITY,
     QUANTIZE_BACKENDS,
@@ -37,14 +40,20 @@ from omni_kernels.quant.linear import (
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
     FP8_MAX,
+    INPUT_ACTIVATIONS,
     INT8_DTYPE,
     INT8_MAX,
     MIN_ABSMAX,
     dequantize,
+    quantize_activated_reference,
     quantize_per_token_reference,
 )
 
 __all__ = [
+    "ACTIVATED_QUANTIZE_BACKENDS",
+    "INPUT_ACTIVATIONS",
+    "quantize_activated_per_token",
+    "quantize_activated_reference",
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8_MIN_CAPABILITY",

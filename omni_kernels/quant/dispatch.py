@@ -190,7 +190,8 @@ def _cuda_ineligible_reason(x2, qdtype, operands) -> str | None:
     return None
 
 
-def _triton_ineligible_reason(x2, qdtype) -> str | None:
+def triton_ineligible_reason(x2: torch.Tensor, qdtype: torch.dtype) -> str | None:
+    """Why omni's Triton quantization kernels cannot quantize ``x2`` to ``qdtype`` here, else ``None``."""
     reason = triton_unavailable_reason(x2.device)
     if reason is not None:
         return f"the Triton kernel cannot run: {reason}"
@@ -210,7 +211,7 @@ def _ineligible_reason(backend, x2, qdtype, operands) -> str | None:
     if backend == "cuda":
         return _cuda_ineligible_reason(x2, qdtype, operands)
     if backend == "triton":
-        return _triton_ineligible_reason(x2, qdtype)
+        return triton_ineligible_reason(x2, qdtype)
     return None
 
 

@@ -54,8 +54,10 @@ from omni_kernels.quant.dispatch import (
     quantize_per_token,
     resolve_quant_dtype,
 )
+from omni_kernels.quant.activated import quantize_activated_per_token
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
+    INPUT_ACTIVATIONS,
     INT8_DTYPE,
     quantize_weight_reference,
     scaled_linear_reference,
@@ -389,6 +391,22 @@ def resolve_activation_backend(activation_backend: str, k: int | None = None,
     return activation_backend
 
 
+def activated_quantize_backend(activation_backend: str) -> str:
+    """The :func:`~omni_kernels.quant.quantize_activated_per_token` backend of a layer whose
+    ``activation_backend`` is this: ``"torch"`` and ``"triton"`` as they are; ``"auto"`` and
+    ``"split"`` are ``"auto"`` in eager mode and under ``torch.compile`` alike (the fused
+    kernel reads the pre-activation once, which is what Inductor's own fusion of a wide GELU
+    and quantization did not manage). ``"cuda"`` raises: there is no CUDA C++ version."""
+    if activation_backend in ("auto", "split"):
+        return "auto"
+    if activation_backend in ("torch", "triton"):
+        return activation_backend
+    raise ValueError(
+        f"input_activation: the activation-fused quantization has Triton and torch backends only; "
+        f"activation_backend={activation_backend!r} (allowed with it: 'auto', 'split', 'triton', 'torch')"
+    )
+
+
 def quantized_linear(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -401,19 +419,32 @@ def quantized_linear(
     clamp: float | None = None,
     fast_accum: bool | str = "auto",
     split_k: int | None = None,
+    input_activation: str | None = None,
+    activation_from: int = 0,
 ) -> torch.Tensor:
     """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
 
     ``method`` is one of :data:`QUANT_METHODS`; W8A8 methods quantize ``x`` per
     token first (with ``clamp`` and ``activation_backend``, which
     :func:`resolve_activation_backend` resolves with ``K`` and ``split_k``: plain
-    torch ops under ``torch.compile`` for ``"auto"``).
+    torch ops under ``torch.compile`` for ``"auto"``). With ``input_activation``
+    (W8A8 only), the layer computes ``linear(activated(x))``:
+    :func:`~omni_kernels.quant.quantize_activated_per_token` applies it to the
+    columns ``activation_from:`` of ``x`` in the quantization pass.
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if method.endswith("_weight_only"):
+    if input_activation is not None:
+        if method.endswith("_weight_only"):
+            raise ValueError(f"input_activation needs a W8A8 method; got method {method!r}")
+        x_q, x_scale = quantize_activated_per_token(
+            x2, w_q.dtype, activation=input_activation, activation_from=activation_from, clamp=clamp,
+            backend=activated_quantize_backend(activation_backend),
+        )
+        out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
+    elif method.endswith("_weight_only"):
         out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
     else:
         x_q, x_scale = quantize_per_token(
@@ -441,6 +472,12 @@ class QuantizedLinear(nn.Module):
     (``None``: :data:`DEFAULT_SPLIT_K`) is the widest input that
     ``activation_backend="split"`` quantizes with torch ops under ``torch.compile``
     (:func:`resolve_activation_backend`); it is an error with any other backend.
+    ``input_activation`` (W8A8 only; ``None`` or one of
+    :data:`~omni_kernels.quant.reference.INPUT_ACTIVATIONS`) makes the layer compute
+    ``linear(activated(x))``, the activation applied to the input columns
+    ``activation_from:`` inside the quantization pass (:func:`quantized_linear`):
+    :func:`omni_diffusion.quantization.quantize` sets it on the layers that read a
+    GELU's output and removes that GELU module.
     """
 
     def __init__(
@@ -457,6 +494,8 @@ class QuantizedLinear(nn.Module):
         clamp: float | None = None,
         fast_accum: bool | str = "auto",
         split_k: int | None = None,
+        input_activation: str | None = None,
+        activation_from: int = 0,
     ) -> None:
         super().__init__()
         if method not in QUANT_METHODS:
@@ -466,6 +505,8 @@ class QuantizedLinear(nn.Module):
         if activation_backend not in ACTIVATION_BACKENDS:
             raise ValueError(f"activation_backend must be one of {ACTIVATION_BACKENDS}; got {activation_backend!r}")
         self.split_k = check_split_k(split_k, activation_backend)
+        self.set_input_activation(input_activation, activation_from, method=method, in_features=in_features,
+                                  activation_backend=activation_backend)
         self.in_features = in_features
         self.out_features = out_features
         self.method = method
@@ -499,6 +540,26 @@ class QuantizedLinear(nn.Module):
             module.bias.data.copy_(linear.bias.detach())
         return module
 
+    def set_input_activation(self, activation: str | None, activation_from: int = 0, *, method: str | None = None,
+                             in_features: int | None = None, activation_backend: str | None = None) -> None:
+        """Set (or, with ``None``, clear) the activation applied to the input columns
+        ``activation_from:`` before quantization; ``ValueError`` for a weight-only layer, an
+        unknown activation, a column outside ``[0, in_features)`` or ``activation_backend="cuda"``."""
+        method = method or self.method
+        in_features = in_features if in_features is not None else self.in_features
+        if activation is not None:
+            if activation not in INPUT_ACTIVATIONS:
+                raise ValueError(f"input_activation must be None or one of {INPUT_ACTIVATIONS}; got {activation!r}")
+            if method.endswith("_weight_only"):
+                raise ValueError(f"input_activation needs a W8A8 method; got method {method!r}")
+            activated_quantize_backend(activation_backend or self.activation_backend)
+        if isinstance(activation_from, bool) or not isinstance(activation_from, int) or not (
+            0 <= activation_from < max(in_features, 1)
+        ):
+            raise ValueError(f"activation_from must be an int in [0, in_features={in_features}); got {activation_from!r}")
+        self.input_activation = activation
+        self.activation_from = activation_from if activation is not None else 0
+
     @property
     def weight_only(self) -> bool:
         return self.method.endswith("_weight_only")
@@ -507,7 +568,7 @@ class QuantizedLinear(nn.Module):
         return quantized_linear(
             x, self.qweight, self.weight_scale, self.bias, self.method, backend=self.backend,
             activation_backend=self.activation_backend, clamp=self.clamp, fast_accum=self.fast_accum,
-            split_k=self.split_k,
+            split_k=self.split_k, input_activation=self.input_activation, activation_from=self.activation_from,
         )
 
     def forward_quantized(
@@ -518,6 +579,11 @@ class QuantizedLinear(nn.Module):
         replaces this layer's own quantization pass."""
         if self.weight_only:
             raise ValueError(f"forward_quantized needs a W8A8 method; this layer is {self.method!r}")
+        if self.input_activation is not None:
+            raise ValueError(
+                f"forward_quantized takes an input already quantized, but this layer applies "
+                f"{self.input_activation!r} to its input before quantizing it"
+            )
         if x_q.dtype != self.qweight.dtype:
             raise ValueError(f"x_q must be {self.qweight.dtype} for method {self.method!r}; got {x_q.dtype}")
         lead, k = x_q.shape[:-1], x_q.shape[-1]
@@ -547,4 +613,7 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, method={self.method!r}, backend={self.backend!r}"
             + (f", activation_backend='split', split_k={self.split_k}" if self.activation_backend == "split" else "")
+            + (f", input_activation={self.input_activation!r}"
+               + (f", activation_from={self.activation_from}" if self.activation_from else "")
+               if self.input_activation is not None else "")
         )

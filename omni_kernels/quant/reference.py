@@ -178,3 +178,38 @@ def weight_only_linear_reference(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+#: activations :func:`quantize_activated_reference` (and the fused kernel) apply before quantizing
+INPUT_ACTIVATIONS = ("gelu_tanh",)
+
+
+def activate_reference(x: torch.Tensor, activation: str, activation_from: int = 0) -> torch.Tensor:
+    """float32 ``y``: ``x [M, K]`` with ``activation`` applied to columns ``activation_from:``.
+
+    ``"gelu_tanh"`` is ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (``F.gelu(x,
+    approximate="tanh")``); the columns before ``activation_from`` pass through (Flux's
+    single blocks feed ``proj_out`` with ``cat(attention output, GELU(mlp))``).
+    """
+    if activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {INPUT_ACTIVATIONS}; got {activation!r}")
+    y = x.float()
+    if activation_from == 0:
+        return torch.nn.functional.gelu(y, approximate="tanh")
+    return torch.cat([y[:, :activation_from], torch.nn.functional.gelu(y[:, activation_from:], approximate="tanh")],
+                     dim=1)
+
+
+def quantize_activated_reference(
+    x: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str = "gelu_tanh",
+    activation_from: int = 0,
+    clamp: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`omni_kernels.quant.quantize_activated_per_token` on ``x`` ``[M, K]``:
+    :func:`activate_reference`, then ``clamp``, then :func:`quantize_rows` (all float32)."""
+    y = activate_reference(x, activation, activation_from)
+    if clamp is not None:
+        y = y.clamp(-clamp, clamp)
+    return quantize_rows(y, qdtype)

@@ -5,7 +5,7 @@ The operation is defined by :mod:`omni_kernels.quant.reference`; this is the
 reached through the custom op ``torch.ops.omni_kernels.quantize_per_token_triton``.
 
 One program per row (token). When the row fits one register tile
-(``K <= _MAX_TILE``, every DiT width up to Flux's 15360), the row is loaded
+(``K <= MAX_TILE``, every DiT width up to Flux's 15360), the row is loaded
 once and kept in registers: the mean, the variance (two-pass, exact), the
 absolute maximum and the quantized values all come from the same registers, so
 HBM sees one read of ``x`` and one write of ``q``. Longer rows loop over chunks
@@ -35,8 +35,8 @@ except ImportError:  # pragma: no cover - older triton
     libdevice = None
 
 # Rows up to this many elements stay in registers (one tile per program).
-_MAX_TILE = 16384
-# Chunk length when a row is longer than _MAX_TILE.
+MAX_TILE = 16384
+# Chunk length when a row is longer than MAX_TILE.
 _CHUNK = 4096
 
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
@@ -89,7 +89,7 @@ def _transform(
 
 
 @triton.jit
-def _quantize_store(y, inv, q_ptr, cols, mask, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+def quantize_store(y, inv, q_ptr, cols, mask, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
                     USE_LIBDEVICE: tl.constexpr):
     v = tl.minimum(tl.maximum(y * inv, -QMAX), QMAX)
     if IS_INT8:
@@ -129,7 +129,7 @@ def _quantize_per_token_kernel(
         amax = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX)
         tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
         inv = tl.math.div_rn(QMAX, amax)
-        _quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
+        quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
     else:
         # Long rows: one pass per statistic, each re-reading the row (from L2).
         mean = 0.0
@@ -172,7 +172,7 @@ def _quantize_per_token_kernel(
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row,
                            clamp_val, NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
-            _quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
+            quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -180,12 +180,25 @@ def _next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
+def launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
     """``(BLOCK_K, SINGLE_TILE, num_warps)``: about 16 values a thread, 1 to 8 warps."""
     if k <= max_tile:
         block = max(16, _next_power_of_2(k))
         return block, True, max(1, min(8, block // 512))
     return _CHUNK, False, 8
+
+
+def row_quantization_constants(out_dtype: torch.dtype, clamp: float, block: int, single: bool) -> dict:
+    """The constexpr arguments every per-row quantization kernel here takes."""
+    return dict(
+        HAS_CLAMP=clamp > 0,
+        QMAX=qmax_of(out_dtype),
+        IS_INT8=out_dtype != FP8_DTYPE,
+        MIN_AMAX=MIN_ABSMAX,
+        USE_LIBDEVICE=libdevice is not None and not triton_interpreter_enabled(),
+        BLOCK_K=block,
+        SINGLE_TILE=single,
+    )
 
 
 def launch_quantize_per_token_triton(
@@ -199,7 +212,7 @@ def launch_quantize_per_token_triton(
     clamp: float,
     out_dtype: torch.dtype,
     *,
-    max_tile: int = _MAX_TILE,
+    max_tile: int = MAX_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x`` ``[M, K]``; returns ``(q [M, K], scale [M, 1] float32)``.
 
@@ -215,7 +228,7 @@ def launch_quantize_per_token_triton(
     if m == 0 or k == 0:
         scale.fill_(MIN_ABSMAX / qmax_of(out_dtype))
         return q, scale
-    block, single, num_warps = _launch_config(k, max_tile)
+    block, single, num_warps = launch_config(k, max_tile)
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     mod_scale = mod_scale.contiguous() if mod_scale is not None else None
@@ -236,13 +249,7 @@ def launch_quantize_per_token_triton(
         HAS_B=norm_bias is not None,
         HAS_MOD_SCALE=mod_scale is not None,
         HAS_MOD_SHIFT=mod_shift is not None,
-        HAS_CLAMP=clamp > 0,
-        QMAX=qmax_of(out_dtype),
-        IS_INT8=out_dtype != FP8_DTYPE,
-        MIN_AMAX=MIN_ABSMAX,
-        USE_LIBDEVICE=libdevice is not None and not triton_interpreter_enabled(),
-        BLOCK_K=block,
-        SINGLE_TILE=single,
+        **row_quantization_constants(out_dtype, clamp, block, single),
         num_warps=num_warps,
     )
     return q, scale

@@ -232,6 +232,10 @@ def test_undo_restores_everything(name):
 
             fused = fused_attention(pipe.transformer)
             assert bool(fused) == (od.adapters.adapter_for(pipe).fusable_attention != ())
+            # and folds the MLP GELUs into the layers reading them (every family here has one)
+            from omni_diffusion.quantization import fused_activations
+
+            assert fused_activations(pipe.transformer)
         fam.run(steps=2)
     finally:
         od.undo(pipe)

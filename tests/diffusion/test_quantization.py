@@ -525,7 +525,7 @@ def test_compiled_fused_blocks_trace_no_quantize_op_and_match_eager(method):
     no omni quantization op in the traced graphs (the quantization is torch ops Inductor fuses
     into the producing kernel), the traced graphs give eager's output, and so does Inductor."""
     model, inputs = _tiny_flux()
-    quantize(model, QuantConfig(method=method, backend="aten"))
+    quantize(model, QuantConfig(method=method, backend="aten", fuse_activations=False))
     eager = _run(model, inputs)
     graphs, ops, traced = _quantize_ops_traced(model, inputs)
     assert len(graphs) == 2 and ops == []
@@ -545,7 +545,7 @@ def test_compiled_blocks_with_a_kernel_backend_trace_its_op():
     """The graph check can fail: an explicit kernel backend shows up as omni's op, once per
     quantized input (the fused q/k/v count once)."""
     model, inputs = _tiny_flux()
-    quantize(model, QuantConfig(method="int8", backend="aten", activation_backend="triton"))
+    quantize(model, QuantConfig(method="int8", backend="aten", activation_backend="triton", fuse_activations=False))
     block_layers = [n for n in quantized_layers(model) if "transformer_blocks" in n]
     _, ops, _ = _quantize_ops_traced(model, inputs)
     assert len(ops) == len(block_layers) and set(ops) == {"omni_kernels.quantize_per_token_triton"}
@@ -574,7 +574,8 @@ def test_compiled_blocks_with_split_activation_backend_trace_the_op_for_wide_inp
     it would be the CUDA op). The traced blocks give eager's output, where every layer runs the
     kernel."""
     model, inputs = _tiny_flux()
-    quantize(model, QuantConfig(method="int8", backend="aten", activation_backend="split", split_k=split_k))
+    quantize(model, QuantConfig(method="int8", backend="aten", activation_backend="split", split_k=split_k,
+                                fuse_activations=False))
     wide = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)
             and "transformer_blocks" in n and m.in_features > split_k]
     assert wide and ("single_transformer_blocks.0.proj_out" in wide)
@@ -582,6 +583,89 @@ def test_compiled_blocks_with_split_activation_backend_trace_the_op_for_wide_inp
     _, ops, traced = _quantize_ops_traced(model, inputs)
     assert ops == ["omni_kernels.quantize_per_token_triton"] * len(wide)
     assert _rel(traced, eager) <= COMPILED_VS_EAGER
+
+
+# =========================================================================== GELU folding
+
+
+def _tiny_hunyuan_video():
+    from omni_diffusion.testing import tiny_transformer
+
+    return tiny_transformer("hunyuan_video")
+
+
+FOLD_MODELS = {**TINY_MODELS, "hunyuan_video": _tiny_hunyuan_video}
+
+
+def _expected_folds(model):
+    """{consumer: (activation, activation_from)} the adapters declare, read off the model."""
+    expected = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == "FeedForward" and getattr(module.net[0], "approximate", None) == "tanh":
+            expected[f"{name}.net.2"] = (f"{name}.net.0", 0)
+        elif kind in ("FluxSingleTransformerBlock", "HunyuanVideoSingleTransformerBlock"):
+            expected[f"{name}.proj_out"] = (f"{name}.act_mlp", module.proj_out.in_features - module.proj_mlp.out_features)
+    return expected
+
+
+@pytest.mark.parametrize("family", sorted(FOLD_MODELS))
+def test_gelus_folded_into_their_consumers(family):
+    """W8A8 quantization folds every MLP GELU the adapter declares into the layer reading it:
+    the GELU module goes (diffusers' GELU keeps its proj), the consumer applies the GELU in its
+    quantization. With the torch backend the numbers are those of the unfolded model exactly
+    (the same float32 ops); with the Triton kernel (interpreter) within INT8 rounding."""
+    model, inputs = FOLD_MODELS[family]()
+    unfolded = copy.deepcopy(model)
+    expected = _expected_folds(model)
+    assert expected, f"{family}: the tiny model has no tanh-GELU MLP"
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    quantize(unfolded, QuantConfig(method="int8", fuse_activations=False, **CPU_OPTIONS))
+    assert Q.fused_activations(unfolded) == {}
+    folded = Q.fused_activations(model)
+    assert {c: (e["activation"], e["activation_from"]) for c, e in folded.items()} == expected
+    for consumer, (activation, activation_from) in expected.items():
+        layer = model.get_submodule(consumer)
+        assert layer.input_activation == "gelu_tanh" and layer.activation_from == activation_from
+        gone = model.get_submodule(activation)
+        assert isinstance(gone, (nn.Identity, Q.GELUProjection)), type(gone)
+        if isinstance(gone, Q.GELUProjection):
+            assert isinstance(gone.proj, QuantizedLinear)  # the projection itself is still quantized
+    assert torch.equal(_run(model, inputs), _run(unfolded, inputs))
+    if quant_dispatch.triton_interpreter_enabled():
+        for layer in model.modules():
+            if isinstance(layer, QuantizedLinear):
+                layer.activation_backend = "triton"
+        assert _rel(_run(model, inputs), _run(unfolded, inputs)) <= 1e-2
+
+
+def test_fold_needs_a_w8a8_consumer_and_a_tanh_gelu():
+    """Weight-only methods fold nothing (no activation quantization to fuse into); a consumer
+    kept in full precision or an exact (erf) GELU is left as it is."""
+    model, _ = _tiny_flux()
+    quantize(model, QuantConfig(method="int8_weight_only", **CPU_OPTIONS))
+    assert Q.fused_activations(model) == {}
+    model, _ = _tiny_flux()
+    quantize(model, QuantConfig(method="int8", skip=("transformer_blocks.0.ff.net.2",), **CPU_OPTIONS))
+    folded = Q.fused_activations(model)
+    assert "transformer_blocks.0.ff.net.2" not in folded and "transformer_blocks.0.ff_context.net.2" in folded
+    assert type(model.transformer_blocks[0].ff.net[0]).__name__ == "GELU"
+    model, _ = _tiny_flux()
+    model.single_transformer_blocks[0].act_mlp = nn.GELU()  # exact GELU: the kernel's is tanh
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    assert "single_transformer_blocks.0.proj_out" not in Q.fused_activations(model)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(method="int8_weight_only", fuse_activations=True), "needs a W8A8 method"),
+    (dict(activation_backend="cuda", fuse_activations=True), "Triton and torch backends only"),
+    (dict(fuse_activations="yes"), "fuse_activations must be True, False or None"),
+])
+def test_fuse_activations_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**fields)
+    assert QuantConfig(activation_backend="cuda").fuses_activations is False
+    assert QuantConfig().fuses_activations and not QuantConfig(method="fp8_weight_only").fuses_activations
 
 
 # =========================================================================== save / load
@@ -605,6 +689,9 @@ def test_save_load_round_trip(tmp_path, method):
     assert fused_attention(fresh) == fused_attention(model) == (
         FUSED_ATTENTION["flux"] if method == "fp8" else [])
     assert fresh.transformer_blocks[0].attn.to_out[0].backend == "aten"  # options saved with the file
+    # W8A8 folds the MLP GELUs into their consumers; the file says which, and they are folded again
+    assert Q.fused_activations(fresh) == Q.fused_activations(model)
+    assert bool(Q.fused_activations(model)) == (method == "fp8")
     assert torch.equal(_run(fresh, inputs), expected)
 
     # 2. Into a skeleton on the meta device (no full-precision weights ever allocated).
@@ -615,6 +702,7 @@ def test_save_load_round_trip(tmp_path, method):
     load_quantized(skeleton, path, config)
     assert all(t.device.type == "cpu" for t in skeleton.state_dict().values())
     assert fused_attention(skeleton) == fused_attention(model)
+    assert Q.fused_activations(skeleton) == Q.fused_activations(model)
     assert torch.equal(_run(skeleton, inputs), expected)
 
     # 3. quantize() on a fresh model, then the plain state_dict of the file.

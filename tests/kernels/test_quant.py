@@ -485,3 +485,155 @@ def test_gpu_cuda_and_triton_agree_and_zero_rows(inputs):
         assert torch.equal(s_c, s_t)
         assert torch.equal(q_c.view(torch.uint8), q_t.view(torch.uint8))
         assert (q_c[3].float() == 0).all() and s_c[3].item() > 0
+
+
+# ============================================================================ GELU-fused quantization
+
+from omni_kernels.quant import (  # noqa: E402
+    QuantizedLinear,
+    quantize_activated_per_token,
+    quantize_activated_reference,
+)
+from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton  # noqa: E402
+
+# (rows, K, activation_from): odd widths, a prefix that does not end on a vector boundary,
+# a row longer than one register tile is covered by the chunked test below.
+ACTIVATED_SHAPES = [(7, 96, 0), (13, 200, 40), (5, 37, 5), (33, 1000, 999)]
+
+
+def test_activated_reference_hand_made_row():
+    """GELU(tanh) of [0, 1, -1, 3] is [0, 0.841192, -0.158808, 2.996363]; with the first column
+    passed through, the row [-4, 1, -1, 3] has absolute maximum 4: INT8 scale 4/127."""
+    x = torch.tensor([[-4.0, 1.0, -1.0, 3.0]])
+    q, scale = quantize_activated_reference(x, torch.int8, "gelu_tanh", 1)
+    assert scale.item() == pytest.approx(4 / 127, rel=1e-7)
+    gelu = F.gelu(torch.tensor([1.0, -1.0, 3.0]), approximate="tanh")
+    assert torch.allclose(gelu, torch.tensor([0.841192, -0.158808, 2.996363]), atol=1e-6)
+    assert q.tolist() == [[-127] + torch.round(gelu * 127 / 4).to(torch.int8).tolist()]
+
+
+@needs_interpreter_or_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows,k,activation_from", ACTIVATED_SHAPES)
+def test_activated_triton_matches_reference(inputs, rows, k, activation_from, dtype):
+    """INT8 from the Triton kernel (interpreter on CPU): scales within float32 rounding of the
+    reference's (the kernel's tanh is exp-based), values within one step, rarely."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs.activations((rows, k), dtype, device)
+    q, scale = quantize_activated_per_token(x, "int8", activation_from=activation_from, backend="triton")
+    q_ref, scale_ref = quantize_activated_reference(x, torch.int8, "gelu_tanh", activation_from)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-6)
+
+
+@needs_interpreter_or_gpu
+def test_activated_triton_chunked_rows_and_clamp(inputs):
+    """Rows longer than one register tile (forced small here) loop in chunks; clamp applies
+    after the GELU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs.activations((9, 300), torch.float32, device)
+    q, scale = launch_quantize_activated_triton(x, 100, 2.5, torch.int8, max_tile=64)
+    q_ref, scale_ref = quantize_activated_reference(x, torch.int8, "gelu_tanh", 100, clamp=2.5)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-6)
+
+
+def test_activated_equals_gelu_then_quantize(inputs):
+    """The fused reference is the unfused computation: GELU on the columns, then quantize_per_token."""
+    x = inputs.activations((11, 64), torch.float32)
+    for activation_from in (0, 24):
+        y = torch.cat([x[:, :activation_from], F.gelu(x[:, activation_from:], approximate="tanh")], 1)
+        for qdtype in ("int8", "fp8"):
+            q, scale = quantize_activated_per_token(x, qdtype, activation_from=activation_from, backend="torch")
+            q_ref, scale_ref = quantize_per_token(y, qdtype, backend="torch")
+            assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(activation="relu"), "activation must be one of"),
+    (dict(activation_from=64), r"activation_from must be an int in \[0, K=64\)"),
+    (dict(activation_from=-1), "activation_from must be an int"),
+    (dict(clamp=0.0), "clamp must be None or > 0"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(dtype="fp16"), "dtype must be 'fp8'"),
+])
+def test_activated_bad_arguments(kwargs, match):
+    x = torch.randn(4, 64)
+    kwargs = {"dtype": "int8", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        quantize_activated_per_token(x, kwargs.pop("dtype"), **kwargs)
+
+
+@needs_interpreter_or_gpu
+def test_opcheck_activated_op(inputs):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs.activations((16, 96), torch.float32, device)
+    torch.library.opcheck(torch.ops.omni_kernels.quantize_activated_triton, (x, 32, 0.0, torch.int8),
+                          test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("activation_backend", ["torch", pytest.param("triton", marks=needs_interpreter_or_gpu)])
+def test_quantized_linear_with_input_activation(inputs, activation_backend):
+    """A W8A8 layer with input_activation is the plain quantized layer on cat(x[:, :a],
+    GELU(x[:, a:])): equal with the torch backend, within one INT8 step of some activations with
+    the Triton kernel (its tanh differs in the last float32 bits); weight-only layers and
+    activation_backend="cuda" refuse it."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 48)
+    x = inputs.activations((21, 96), torch.float32)
+    layer = QuantizedLinear.from_linear(linear, "int8", activation_backend=activation_backend,
+                                        input_activation="gelu_tanh", activation_from=32)
+    plain = QuantizedLinear.from_linear(linear, "int8", activation_backend=activation_backend)
+    activated = torch.cat([x[:, :32], F.gelu(x[:, 32:], approximate="tanh")], 1)
+    out, expected = layer(x), plain(activated)
+    if activation_backend == "torch":
+        assert torch.equal(out, expected)
+    else:
+        assert ((out - expected).norm() / expected.norm()).item() <= 2e-3
+    full = linear(activated)
+    assert ((out - full).norm() / full.norm()).item() <= 0.05  # INT8 W8A8 with outlier channels
+    assert "input_activation='gelu_tanh', activation_from=32" in repr(layer)
+    with pytest.raises(ValueError, match="needs a W8A8 method"):
+        QuantizedLinear.from_linear(linear, "int8_weight_only", input_activation="gelu_tanh")
+    with pytest.raises(ValueError, match="Triton and torch backends only"):
+        QuantizedLinear.from_linear(linear, "int8", activation_backend="cuda", input_activation="gelu_tanh")
+    with pytest.raises(ValueError, match="forward_quantized takes an input already quantized"):
+        layer.forward_quantized(torch.zeros(2, 96, dtype=torch.int8), torch.ones(2, 1), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows,k,activation_from", [
+    pytest.param(4608, 15360, 3072, id="flux-single-proj_out"),
+    pytest.param(4096, 12288, 0, id="flux-ff-down"),
+    pytest.param(333, 13824, 0, id="wan-ffn-M333"),
+    pytest.param(17, 20000, 77, id="chunked-odd"),
+])
+def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, dtype, qdtype):
+    """On the GPU, at Flux/Wan MLP widths: scales within float32 rounding, values within one
+    step in at most 1% of the elements (the kernel's exp-based tanh vs torch's)."""
+    _require_fp8(qdtype)
+    x = inputs.activations((rows, k), dtype, "cuda")
+    _poison_cuda_allocator(2 * x.numel())
+    q, scale = quantize_activated_per_token(x, qdtype, activation_from=activation_from, backend="triton")
+    torch.cuda.synchronize()
+    q_ref, scale_ref = quantize_activated_reference(x, q.dtype, "gelu_tanh", activation_from)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_activated_op_under_inductor(inputs):
+    """Inductor launches the triton_op's kernel from its own code: same output as eager."""
+    _require_fp8("fp8")
+    x = inputs.activations((4608, 15360), torch.bfloat16, "cuda")
+
+    def quantize(t):
+        return quantize_activated_per_token(t, "fp8", activation_from=3072)
+
+    eager = quantize(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize, fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[0].float(), eager[0].float())

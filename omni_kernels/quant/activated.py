@@ -1,0 +1,122 @@
+"""Per-token quantization of an activation's output, the activation fused in: :func:`quantize_activated_per_token`.
+
+For linear layers whose input is a GELU's output (a DiT's MLP down projection,
+Flux's single blocks' ``proj_out``): the pre-activation is read once, the GELU,
+the per-row absolute maximum and the 8-bit values are computed in registers, and
+only the 8-bit input and its scales are written. Backends:
+
+* ``"triton"``: :mod:`.activated_triton_kernel`, through the op
+  ``torch.ops.omni_kernels.quantize_activated_triton``, a ``torch.library.triton_op``:
+  ``torch.compile`` traces into it and Inductor launches the Triton kernel from
+  its generated code (no Python dispatch per call).
+* ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
+  plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
+
+``"auto"`` takes the Triton kernel where it runs (a CUDA GPU; with FP8, one with
+FP8 tensor cores), else the reference. There is no CUDA C++ version: on the
+H200 the Triton per-token kernel was as fast as the CUDA one at MLP widths
+(bench/results/linear_nvidia-h200_20261129.md: 65.7 vs 60.0 us at Flux's 4608 x
+12288, faster from 32768 rows on).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from omni_kernels._backend_choice import choose_backend
+from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels.quant.dispatch import resolve_quant_dtype, triton_ineligible_reason
+from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_activated_reference
+
+logger = logging.getLogger(__name__)
+
+ACTIVATED_QUANTIZE_BACKENDS = ("auto", "triton", "torch")
+_AUTO_ORDER = ("triton", "torch")
+_logged_auto_choices: set[tuple] = set()
+
+
+# A triton_op lets Inductor launch the kernel itself; the Triton interpreter's kernels cannot be
+# traced into (they read data pointers), so under it (CPU tests) the op is an opaque custom op.
+_register_op = torch.library.custom_op if triton_interpreter_enabled() else torch.library.triton_op
+
+
+@_register_op("omni_kernels::quantize_activated_triton", mutates_args=())
+def _quantize_activated_triton_op(
+    x: torch.Tensor, activation_from: int, clamp: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton
+
+    return launch_quantize_activated_triton(x, activation_from, clamp, out_dtype)
+
+
+@_quantize_activated_triton_op.register_fake
+def _(x, activation_from, clamp, out_dtype):
+    # Explicit, so shape propagation never runs the launcher (the Triton interpreter
+    # reads data pointers, which fake tensors lack).
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def quantize_activated_per_token(
+    x: torch.Tensor,
+    dtype="fp8",
+    *,
+    activation: str = "gelu_tanh",
+    activation_from: int = 0,
+    clamp: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply ``activation`` to the columns ``activation_from:`` of ``x``, then quantize each row.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32, the activation's input (for
+            ``activation_from > 0``, the first ``activation_from`` columns are
+            taken as they are: e.g. the attention output that Flux's single
+            blocks concatenate before the GELU's output).
+        dtype: ``"fp8"`` (``torch.float8_e4m3fn``) or ``"int8"``.
+        activation: one of :data:`~omni_kernels.quant.reference.INPUT_ACTIVATIONS`
+            (``"gelu_tanh"``: ``F.gelu(x, approximate="tanh")``).
+        activation_from: first activated column, ``0 <= activation_from < K``.
+        clamp: clip the activated row to ``[-clamp, clamp]`` before its absolute maximum.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``(q, scale)``: ``q`` of ``x``'s shape in the quantized dtype and ``scale``
+        ``[..., 1]`` float32, with ``activated(x) ~= q * scale``.
+
+    Raises:
+        ValueError: a bad argument or a backend that cannot take the inputs (named).
+    """
+    if backend not in ACTIVATED_QUANTIZE_BACKENDS:
+        raise ValueError(f"backend must be one of {ACTIVATED_QUANTIZE_BACKENDS}; got {backend!r}")
+    qdtype = resolve_quant_dtype(dtype)
+    if activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {INPUT_ACTIVATIONS}; got {activation!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x must be a tensor [..., K]; got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (FP8_DTYPE, torch.int8):
+        raise ValueError(f"x must be float16, bfloat16 or float32; got {x.dtype}")
+    k = x.shape[-1]
+    if isinstance(activation_from, bool) or not isinstance(activation_from, int) or not 0 <= activation_from < max(k, 1):
+        raise ValueError(f"activation_from must be an int in [0, K={k}); got {activation_from!r}")
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be None or > 0; got {clamp}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    backend = choose_backend(
+        "quantize_activated_per_token", backend, _AUTO_ORDER,
+        lambda name: triton_ineligible_reason(x2, qdtype) if name == "triton" else None,
+        log_key=(x.device.type, x.dtype, qdtype),
+        describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
+        logged=_logged_auto_choices, logger=logger,
+    )
+    if backend == "torch":
+        q, scale = quantize_activated_reference(x2, qdtype, activation, activation_from, clamp)
+    else:
+        q, scale = torch.ops.omni_kernels.quantize_activated_triton(
+            x2, activation_from, float(clamp) if clamp is not None else 0.0, qdtype
+        )
+    return q.reshape(*lead, k), scale.reshape(*lead, 1)
