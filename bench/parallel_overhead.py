@@ -87,6 +87,37 @@ def _paired_times(run, install, pairs: int, warmup: int, cuda: bool) -> dict[str
     return out
 
 
+def _host_profile(run, install, forwards: int = 10, top: int = 15) -> list[str]:
+    """cProfile of ``forwards`` plain and sequence-parallel forwards: the Python functions
+    whose own time grows most on the sequence-parallel path, per forward."""
+    import cProfile
+    import pstats
+
+    def stats(parallel: bool) -> dict:
+        undo = install() if parallel else None
+        try:
+            run()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(forwards):
+                run()
+            profiler.disable()
+        finally:
+            if undo is not None:
+                undo()
+        return pstats.Stats(profiler).stats
+
+    plain, sp = stats(False), stats(True)
+    rows = []
+    for key in set(plain) | set(sp):
+        calls = (sp.get(key, (0, 0))[1] - plain.get(key, (0, 0))[1]) / forwards
+        own = (sp.get(key, (0, 0, 0))[2] - plain.get(key, (0, 0, 0))[2]) / forwards
+        rows.append((own, calls, key))
+    rows.sort(key=lambda r: r[0], reverse=True)
+    return [f"{own * 1e3:+8.3f} ms {calls:+7.1f} calls  {Path(file).name}:{line} {name}"
+            for own, calls, (file, line, name) in rows[:top]]
+
+
 def _median_ratio_pct(a: list[float], b: list[float]) -> float:
     """Median over pairs of b/a - 1, in percent."""
     return 100 * (statistics.median(y / x for x, y in zip(a, b)) - 1)
@@ -137,6 +168,9 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=40,
                         help="timed (plain, sequence-parallel) forward pairs per shape, order alternated")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile-host", action="store_true",
+                        help="also print the Python functions (cProfile) whose own time per forward "
+                             "grows most on the sequence-parallel path")
     parser.add_argument("--attention", default="auto", help="omni attention backend for both runs")
     args = parser.parse_args()
 
@@ -200,6 +234,11 @@ def main() -> int:
                    host_cpu_overhead_pct=round(_median_ratio_pct(t["plain_cpu"], t["sp_cpu"]), 2),
                    max_abs_diff=diff, plain_ops=plain_ops, sp_ops=sp_ops)
         rows.append(row)
+        if args.profile_host:
+            print(f"host profile, image {image} + text {text} tokens (own time per forward, "
+                  "sequence-parallel minus plain):")
+            for line in _host_profile(run, parallel):
+                print("  " + line, flush=True)
         extra = {name: (plain_ops[name], sp_ops[name]) for name in plain_ops
                  if plain_ops[name] != sp_ops[name]}
         print(f"image {image} + text {text} tokens: plain {p:.3f} ms, sequence-parallel path "

@@ -32,7 +32,7 @@ from omni_kernels.quant.reference import MIN_ABSMAX, qmax_of
 from omni_kernels.quant.triton_kernel import MAX_TILE, launch_config, quantize_store, row_quantization_constants
 
 # sqrt(2 / pi)
-_GELU_C = 0.7978845608028654
+_GELU_C = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
