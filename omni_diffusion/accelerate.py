@@ -270,6 +270,8 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
     if config.compile:
         for name, transformer in state.transformers.items():
             state.undos.append((f"{name} compile", _apply_compile(transformer, adapter, config)))
+            if config.cuda_graphs:
+                state.undos.append((f"{name} CUDA-graph steps", _mark_graph_steps(transformer)))
     if config.prompt_encoder is not None or config.prompt_enhancer is not None:
         if isinstance(pipe, nn.Module):
             raise ValueError("prompt_encoder/prompt_enhancer need a pipeline, not a bare transformer")
@@ -351,6 +353,22 @@ def _matches(name: str, pattern: str) -> bool:
     """``pattern`` (fnmatch) matches ``name`` or one of its parents, as quantize() reads skips."""
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def _mark_graph_steps(transformer: nn.Module) -> Callable[[], None]:
+    """Begin a new CUDA-graph step at every transformer forward; returns the undo.
+
+    The repeated blocks share one compiled graph, so each forward replays it once per
+    block. Without a step boundary, CUDA-graph trees take the first block of the next
+    forward for a replay that may overwrite static outputs still alive, and raise on
+    access ("accessing tensor output of CUDAGraphs that has been overwritten"); an H200
+    run of Flux with cuda_graphs=True did. The transformer's own output comes from
+    eager code after the last block, so nothing a caller keeps lives in graph memory.
+    """
+    def begin_step(module: nn.Module, args: tuple) -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+    return transformer.register_forward_pre_hook(begin_step).remove
 
 
 def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
