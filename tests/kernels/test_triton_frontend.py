@@ -1,0 +1,95 @@
+"""omni's quantization Triton kernels pass Triton's compiler front end for sm_90, on the CPU.
+
+The interpreter (how CI runs the kernels) executes the Python source and accepts what the
+compiler refuses, e.g. a plain module-level float read inside a kernel: a GELU constant did
+that, passed every CPU test and failed to compile on the H200. Lowering each kernel to
+Triton IR (no GPU, no ptxas) catches that class of error here. It runs in a subprocess
+without ``TRITON_INTERPRET`` (under it ``@triton.jit`` gives interpreted functions, which the
+compiler cannot call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_QUANT_CONSTANTS = dict(QMAX=448.0, IS_INT8=False, MIN_AMAX=1e-12, USE_LIBDEVICE=True)
+_ACTIVATED_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "activation_from": "i32",
+                   "x_row_stride": "i32", "q_row_stride": "i32", "clamp_val": "fp32"}
+_PER_TOKEN_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                   "ms_ptr": "*bf16", "mt_ptr": "*bf16", "K": "i32", "x_row_stride": "i32", "q_row_stride": "i32",
+                   "mod_row_stride": "i32", "rows_per_group": "i32", "eps": "fp32", "clamp_val": "fp32"}
+
+CASES = {
+    f"activated-{q}-{'tile' if tile else 'chunked'}": (
+        "omni_kernels.quant.activated_triton_kernel", "_quantize_activated_kernel",
+        {**_ACTIVATED_ARGS, "q_ptr": "*i8" if q == "int8" else "*fp8e4nv"},
+        dict(_QUANT_CONSTANTS, IS_INT8=q == "int8", QMAX=127.0 if q == "int8" else 448.0, HAS_CLAMP=True,
+             BLOCK_K=16384 if tile else 4096, SINGLE_TILE=tile))
+    for q in ("fp8", "int8") for tile in (True, False)
+}
+CASES.update({
+    f"per_token-norm{norm}-{'tile' if tile else 'chunked'}": (
+        "omni_kernels.quant.triton_kernel", "_quantize_per_token_kernel", _PER_TOKEN_ARGS,
+        dict(_QUANT_CONSTANTS, NORM=norm, HAS_W=True, HAS_B=norm == 2, HAS_MOD_SCALE=True, HAS_MOD_SHIFT=True,
+             HAS_CLAMP=False, BLOCK_K=4096, SINGLE_TILE=tile))
+    for norm in (0, 1, 2) for tile in (True, False)
+})
+
+
+def _lower_to_ttir(module_name: str, kernel_name: str, arg_types: dict, constexprs: dict) -> str:
+    import importlib
+
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(module_name), kernel_name)
+    signature = {**arg_types, **{name: "constexpr" for name in constexprs}}
+    assert set(signature) == set(kernel.arg_names), set(kernel.arg_names) ^ set(signature)
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    return str(source.make_ir(target, options, backend.get_codegen_implementation(options),
+                              backend.get_module_map(), context))
+
+
+def test_kernels_lower_to_triton_ir_for_sm90():
+    """Every case in one subprocess (importing torch and triton once)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__, *sorted(CASES)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    failed = {case: error for case, error in outcome.items() if error != "ok"}
+    assert sorted(outcome) == sorted(CASES) and not failed, "\n\n".join(f"{c}: {e}" for c, e in failed.items())
+
+
+if __name__ == "__main__":
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except ImportError as exc:
+        print(f"this triton has no CUDA front end: {exc}")
+        sys.exit(3)
+    outcome = {}
+    for case in sys.argv[1:]:
+        try:
+            ttir = _lower_to_ttir(*CASES[case])
+            outcome[case] = "ok" if "tt.func" in ttir and "tt.store" in ttir else f"no kernel in the IR: {ttir[:500]}"
+        except Exception as exc:  # reported per case by the test
+            outcome[case] = f"{type(exc).__name__}: {exc}"[-2000:]
+    print(json.dumps(outcome))
