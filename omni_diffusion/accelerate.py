@@ -28,11 +28,11 @@ What is applied, to every denoiser the family's adapter names
    or cache-dit on the whole pipeline.
 4. ``compile``: regional ``torch.compile``: each repeated block class the
    model declares (diffusers' ``compile_repeated_blocks``) or the adapter
-   lists is compiled with ``block.compile(...)`` (its ``forward`` alone when
-   the block has forward hooks: sequence parallelism's token bookkeeping then
-   runs eagerly around the compiled region); ``cuda_graphs`` adds
-   CUDA-graph capture (mode ``"reduce-overhead"``). Compilation happens at the
-   first call.
+   lists is compiled with ``block.compile(...)`` (the forward that sequence
+   parallelism's forward wrapper holds, or a hooked block's ``forward``, alone:
+   the per-forward bookkeeping then runs eagerly around the compiled region);
+   ``cuda_graphs`` adds CUDA-graph capture (mode ``"reduce-overhead"``).
+   Compilation happens at the first call.
 
 When caching or a progress callback is asked for, the pipeline's class is
 swapped for a subclass of the same name whose ``__call__`` opens a fresh
@@ -371,6 +371,14 @@ def _mark_graph_steps(transformer: nn.Module) -> Callable[[], None]:
     return transformer.register_forward_pre_hook(begin_step).remove
 
 
+def _inner_compiler(module: nn.Module) -> Callable[..., Callable[[], None]] | None:
+    """The ``compile_inner`` method of ``module``'s instance ``forward`` (a wrapper that
+    keeps its own Python outside compiled code and compiles the forward it wraps;
+    returns the undo), or None when its forward is no such wrapper."""
+    compile_inner = getattr(module.__dict__.get("forward"), "compile_inner", None)
+    return compile_inner if callable(compile_inner) else None
+
+
 def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
     names = adapter.repeated_block_classes(transformer)
     targets = [m for m in transformer.modules() if type(m).__name__ in names]
@@ -388,27 +396,40 @@ def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelC
     )
     if config.torch_compile_mode is not None:
         kwargs["mode"] = config.torch_compile_mode
-    # A block with forward hooks (sequence parallelism's per-forward token
-    # bookkeeping) gets its forward compiled instead of its whole call, so the
-    # hooks run eagerly around the compiled region: under ``block.compile()``
-    # Dynamo would compile each hook as a frame of its own, guarded on
-    # per-block Python state (which block is first, the block's class), and
-    # recompile it for every block until the recompile limit.
-    hooked = [m for m in targets if m._forward_pre_hooks or m._forward_hooks]
+    # Per-forward Python bookkeeping around a block stays out of the compiled
+    # region: compiled whole (``block.compile()``), Dynamo would trace it as
+    # frames of their own, guarded on per-block Python state (which block is
+    # first, the block's class), and recompile them for every block until the
+    # recompile limit. Two forms of it:
+    # - a forward wrapper (sequence parallelism's SequenceParallelForward): the
+    #   block's instance ``forward`` has a ``compile_inner(**kwargs)`` method that
+    #   compiles the forward it wraps and returns the undo; only that is compiled;
+    # - forward hooks: the block's forward is compiled instead of its whole call,
+    #   so the hooks run eagerly around it.
+    wrapped = [m for m in targets if _inner_compiler(m) is not None]
+    wrapped_ids = {id(m) for m in wrapped}
+    hooked = [m for m in targets
+              if id(m) not in wrapped_ids and (m._forward_pre_hooks or m._forward_hooks)]
     hooked_ids = {id(m) for m in hooked}
     saved = [(m, m.__dict__.get("_compiled_call_impl")) for m in targets]
     saved_forwards = [(m, m.__dict__.get("forward")) for m in hooked]
+    inner_undos: list[Callable[[], None]] = []
     declared = tuple(getattr(transformer, "_repeated_blocks", None) or ())
-    if not hooked and declared and declared == names and hasattr(transformer, "compile_repeated_blocks"):
+    if (not hooked and not wrapped and declared and declared == names
+            and hasattr(transformer, "compile_repeated_blocks")):
         transformer.compile_repeated_blocks(**kwargs)
     else:
         for module in targets:
-            if id(module) in hooked_ids:
+            if id(module) in wrapped_ids:
+                inner_undos.append(_inner_compiler(module)(**kwargs))
+            elif id(module) in hooked_ids:
                 module.forward = torch.compile(module.forward, **kwargs)
             else:
                 module.compile(**kwargs)
 
     def undo() -> None:
+        for undo_inner in reversed(inner_undos):
+            undo_inner()
         for module, previous in saved:
             module._compiled_call_impl = previous
         for module, previous_forward in saved_forwards:

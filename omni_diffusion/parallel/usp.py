@@ -4,7 +4,7 @@ Token placement
 ---------------
 The ``ulysses * ring`` sequence ranks split the **image** (latent) tokens
 along the sequence, from the first block's input to the last block's output
-(a forward pre-hook on the first block narrows the hidden states, a hook on
+(a wrapper of the first block's forward narrows the hidden states, that of
 the last block gathers them; the blocks between pass shards along). Sequence
 rank ``s = ring_rank * ulysses + ulysses_rank`` holds tokens
 ``split_sizes(S, ulysses*ring)[s]`` (``torch.tensor_split``'s uneven split:
@@ -44,18 +44,21 @@ plain execution and nothing more: the shard is the whole tensor (no cut, no
 gather), 1-rank collectives return their input, the Ulysses step leaves q/k/v
 as they are, and the rotary tables pass through (tests/parallel/test_degree_one_overhead.py).
 Its Python is kept short too, since eager execution can be bound by the CPU's
-kernel launches: a block hook on a rank holding the whole sequence returns once
-it has recorded the text length, and the attention wrapper reads its group
+kernel launches: the per-block bookkeeping is an instance ``forward`` wrapper
+(:class:`SequenceParallelForward`), not module hooks, so ``nn.Module.__call__``
+keeps its hook-free fast path; on a rank holding the whole sequence it returns
+once it has recorded the text length, and the attention wrapper reads its group
 sizes from flags set at install (the test counts the Python calls per block).
 
-Compilation: the block hooks are per-forward Python bookkeeping (which block
+Compilation: the block wrappers are per-forward Python bookkeeping (which block
 is first, the image split, the cut tables) and stay out of compiled code:
-``accelerate()``'s regional compile compiles the ``forward`` of a block that
-carries them, so they run eagerly around it, and every block of a class reuses
-one graph. The Ulysses all-to-alls are functional collectives, traced into the
-block's graph; Ring's point-to-point exchange is a graph break. The first
-block's shard is a contiguous copy, so it arrives with the strides the later
-blocks' inputs have (a view would compile a second graph for the first block).
+``accelerate()``'s regional compile compiles only the block's own forward, the
+wrapper's ``inner`` (:meth:`SequenceParallelForward.compile_inner`), so the
+bookkeeping runs eagerly around it, and every block of a class reuses one graph.
+The Ulysses all-to-alls are functional collectives, traced into the block's
+graph; Ring's point-to-point exchange is a graph break. The first block's shard
+is a contiguous copy, so it arrives with the strides the later blocks' inputs
+have (a view would compile a second graph for the first block).
 
 Routing: processors that call diffusers' ``dispatch_attention_fn`` get omni's
 ``"omni_sp"`` diffusers backend, with the :class:`SequenceParallelAttention`
@@ -103,7 +106,7 @@ class ImageSplit:
     ulysses_sizes: tuple[int, ...]
     ring_sizes: tuple[int, ...]
     #: this rank's shard is the whole sequence (degree 1): nothing to cut locally
-    #: (a field, not a property: every block's hook reads it)
+    #: (a field, not a property: every block wrapper reads it)
     whole: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -162,7 +165,7 @@ class SequenceGroups:
 
 @dataclasses.dataclass(slots=True)
 class SequenceState:
-    """What the current forward's blocks tell the attention: set by the block hooks."""
+    """What the current forward's blocks tell the attention: set by the block wrappers."""
 
     split: ImageSplit | None = None  # the image tokens' split over the sequence ranks
     text_len: int = 0
@@ -349,7 +352,7 @@ def route_dispatcher_processor(module: nn.Module, parallel: SequenceParallelAtte
     return undo
 
 
-# --------------------------------------------------------------------------- block hooks
+# --------------------------------------------------------------------------- block wrappers
 
 
 def _set_arg(call: BlockCall, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
@@ -463,14 +466,15 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
             undos.append(adapter.apply_parallel_attention(module, sp))
         first_block = lists[0][1][0]
         last_spec, last_list = lists[-1]
+        last_block = last_list[-1]
         for spec, module_list in lists:
             for block in module_list:
-                hook = _BeforeBlock(block, spec, first=block is first_block, groups=groups,
-                                    state=state, plan=plan, cutters=cutters,
-                                    joint=adapter.layout.attention == "joint")
-                undos.append(block.register_forward_pre_hook(hook, with_kwargs=True).remove)
-        after = functools.partial(_after_last_block, spec=last_spec, groups=groups, state=state)
-        undos.append(last_list[-1].register_forward_hook(after, with_kwargs=True).remove)
+                before = _BeforeBlock(block, spec, first=block is first_block, groups=groups,
+                                      state=state, plan=plan, cutters=cutters,
+                                      joint=adapter.layout.attention == "joint")
+                after = (functools.partial(_after_last_block, spec=last_spec, groups=groups,
+                                           state=state) if block is last_block else None)
+                undos.append(_wrap_forward(block, SequenceParallelForward(before, block.forward, after)))
     except BaseException:
         for undo in reversed(undos):
             undo()
@@ -483,23 +487,86 @@ def enable_sequence_parallel(transformer: nn.Module, adapter: ModelAdapter, grou
     return undo_all
 
 
-class _BeforeBlock:
-    """A block's forward pre-hook (with kwargs). The first block cuts the image tokens
-    (planned once per length); every block records its text length and gets its per-token
-    arguments for its tokens. Returns None (the arguments stand) when nothing had to
-    change: a rank holding the whole sequence (degree 1) returns right after recording
-    the text length, the one fact its attention needs.
+def _wrap_forward(block: nn.Module, wrapper: SequenceParallelForward):
+    """Set ``wrapper`` as ``block``'s instance ``forward``; returns the undo, which puts back
+    the instance ``forward`` there was (or none)."""
+    had_forward = "forward" in block.__dict__
+    previous = block.__dict__.get("forward")
+    block.forward = wrapper
 
-    It runs once per block and forward, so what can be known beforehand is: the
-    argument positions (read from the block's signature here, not while compile traces
-    the hook) and which argument carries the text.
+    def undo() -> None:
+        if had_forward:
+            block.forward = previous
+        else:
+            block.__dict__.pop("forward", None)
+
+    return undo
+
+
+class SequenceParallelForward:
+    """A block's ``forward`` with the sequence-parallel bookkeeping around it.
+
+    Installed as the block's instance attribute ``forward`` rather than as module hooks:
+    ``nn.Module.__call__`` on a module without hooks takes its fast path and calls
+    ``self.forward`` at once, where any hook sends every call of the block through the
+    slow path (torch's hook dispatch: 3 more Python frames per call; a no-op pre-hook
+    costs a call ~1.2 us on a CPU where this wrapper costs ~0.3 us), which shows at
+    degree 1 in eager mode when the host's kernel launches bound the step.
+
+    A call runs ``before(args, kwargs)`` (None, or the ``(args, kwargs)`` to call with:
+    the per-token arguments cut to this rank's tokens), then ``inner``, the block's
+    forward as it was, then ``after(output)`` on the last block (the gather of the image
+    tokens; None elsewhere).
+
+    Compile protocol: ``before``/``after`` are per-forward Python state (which block is
+    first, the image split) and must stay out of compiled code, so a regional compile
+    compiles only ``inner``, through :meth:`compile_inner`. ``accelerate()`` looks for
+    that method on a block's instance ``forward``.
     """
 
-    __slots__ = ("spec", "first", "groups", "state", "plan", "cutters", "positions",
+    __slots__ = ("before", "inner", "after")
+
+    def __init__(self, before, inner, after=None) -> None:
+        self.before, self.inner, self.after = before, inner, after
+
+    def __call__(self, *args, **kwargs):
+        changed = self.before(args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        if self.after is None:
+            return self.inner(*args, **kwargs)
+        return self.after(self.inner(*args, **kwargs))
+
+    def compile_inner(self, **compile_kwargs):
+        """Replace ``inner`` by ``torch.compile(inner, **compile_kwargs)``; returns the undo
+        (``inner`` as it was)."""
+        previous = self.inner
+        self.inner = torch.compile(previous, **compile_kwargs)
+
+        def undo() -> None:
+            self.inner = previous
+
+        return undo
+
+
+class _BeforeBlock:
+    """What a block's :class:`SequenceParallelForward` runs before the block. The first
+    block cuts the image tokens (planned once per length); every block records its text
+    length and gets its per-token arguments for its tokens. Returns None (the arguments
+    stand) when nothing had to change: a rank holding the whole sequence (degree 1)
+    returns right after recording the text length, the one fact its attention needs.
+
+    It runs once per block and forward, so what can be known beforehand is: the
+    argument positions (read from the block's signature here, once) and which argument
+    carries the text.
+    """
+
+    __slots__ = ("block_name", "spec", "first", "groups", "state", "plan", "cutters", "positions",
                  "hidden_position", "encoder_arg", "encoder_position")
 
     def __init__(self, block: nn.Module, spec, *, first: bool, groups: SequenceGroups,
                  state: SequenceState, plan, cutters: list, joint: bool) -> None:
+        self.block_name = type(block).__name__
         self.spec, self.first, self.groups, self.state = spec, first, groups, state
         self.plan, self.cutters = plan, cutters
         self.positions = block_call(block, (), {})._positions
@@ -507,7 +574,7 @@ class _BeforeBlock:
         self.encoder_arg = spec.encoder_arg if joint else None
         self.encoder_position = self.positions.get(self.encoder_arg)
 
-    def __call__(self, block: nn.Module, args: tuple, kwargs: dict):
+    def __call__(self, args: tuple, kwargs: dict):
         state = self.state
         if self.first:
             hidden = _passed(args, kwargs, self.spec.hidden_arg, self.hidden_position)
@@ -515,15 +582,15 @@ class _BeforeBlock:
         else:
             split = state.split
             if split is None:
-                raise RuntimeError(f"{type(block).__name__}: a sequence-parallel block ran before "
+                raise RuntimeError(f"{self.block_name}: a sequence-parallel block ran before "
                                    "the first block planned the image split")
         encoder = _passed(args, kwargs, self.encoder_arg, self.encoder_position)
         state.text_len = 0 if encoder is None else encoder.shape[1]
         if split.whole:  # nothing to cut: every per-token argument is this rank's already
             return None
-        return self._cut(block, BlockCall(self.positions, args, kwargs), split)
+        return self._cut(BlockCall(self.positions, args, kwargs), split)
 
-    def _cut(self, block: nn.Module, call: BlockCall, split: ImageSplit):
+    def _cut(self, call: BlockCall, split: ImageSplit):
         """``(args, kwargs)`` with the per-token arguments cut to this rank's tokens."""
         spec, plan = self.spec, self.plan
         updates: dict[str, Any] = {}
@@ -547,7 +614,7 @@ class _BeforeBlock:
                 continue
             if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != split.total:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{type(block).__name__} argument {name}: expected [B, {split.total}, "
+                raise ValueError(f"{self.block_name} argument {name}: expected [B, {split.total}, "
                                  f"...] (one entry per image token), got {shape}")
             updates[name] = value.narrow(1, split.start, split.mine)
         for name in plan.leading_image_count_args:
@@ -555,7 +622,7 @@ class _BeforeBlock:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{type(block).__name__} argument {name}: expected an int count of "
+                raise ValueError(f"{self.block_name} argument {name}: expected an int count of "
                                  f"leading image tokens, got {type(value).__name__}")
             updates[name] = min(max(value - split.start, 0), split.mine)
         args, kwargs = call.args, call.kwargs
@@ -576,11 +643,12 @@ def _passed(args: tuple, kwargs: dict, name: str | None, position: int | None) -
     return None
 
 
-def _after_last_block(block, args, kwargs, output, *, spec, groups, state):
+def _after_last_block(output, *, spec, groups, state):
+    """The last block's ``output`` with this rank's image tokens gathered back to all of them."""
     hidden = spec.hidden_of(output)
     gathered = groups.gather(hidden, state.split, dim=1)
     if gathered is hidden:
-        return None  # nothing was split: the block's output stands
+        return output  # nothing was split: the block's output stands
     return spec.pack(gathered, spec.encoder_of(output))
 
 
@@ -589,6 +657,7 @@ __all__ = [
     "ImageSplit",
     "SequenceGroups",
     "SequenceParallelAttention",
+    "SequenceParallelForward",
     "SequenceState",
     "enable_sequence_parallel",
     "route_dispatcher_processor",

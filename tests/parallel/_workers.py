@@ -216,26 +216,26 @@ def _transformer_forward(family):
     return pipe, adapter, transformer, forward
 
 
-def _plain_and_degree_one(pipe, forward, measure):
+def _plain_and_degree_one(pipe, forward, measure, installed=lambda: None):
     """``(measure(forward) plainly, the same through the sequence-parallel path at degree 1
-    (force_sequence_parallel), max |output difference|)``."""
+    (force_sequence_parallel), max |output difference|, installed() while the path is on)``."""
     from omni_diffusion.parallel import parallelize
 
     plain, ref = measure(forward), forward()
     undo = parallelize(pipe, ParallelConfig(), attention_backend="sdpa_math", device_type="cpu",
                        force_sequence_parallel=True)
     try:
-        sp, out = measure(forward), forward()
+        sp, out, seen = measure(forward), forward(), installed()
     finally:
         undo()
-    return plain, sp, (out - ref).abs().max().item()
+    return plain, sp, (out - ref).abs().max().item(), seen
 
 
 def op_count_case(rank, world, family):
     """Ops of one transformer forward of a tiny ``family`` pipeline, plain and through the
     sequence-parallel path at degree 1 (``force_sequence_parallel``); (plain, sp, max |diff|)."""
     pipe, _, _, forward = _transformer_forward(family)
-    return _plain_and_degree_one(pipe, forward, _op_counts)
+    return _plain_and_degree_one(pipe, forward, _op_counts)[:3]
 
 
 def _python_calls(fn) -> int:
@@ -265,36 +265,26 @@ def _python_calls(fn) -> int:
     return count
 
 
-def _hook_dispatch_calls() -> int:
-    """Python calls torch's ``nn.Module.__call__`` adds for a forward pre-hook (with kwargs),
-    the hook itself not counted: what any block hook costs, whatever it does."""
-    module = torch.nn.Identity()
-    x = torch.zeros(1)
-    plain = _python_calls(lambda: module(x))
-    handle = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
-    try:
-        hooked = _python_calls(lambda: module(x))
-    finally:
-        handle.remove()
-    return hooked - plain - 1
+def _block_hooks(adapter, transformer) -> int:
+    """Forward hooks and pre-hooks on ``transformer``'s blocks (any one sends every call of
+    its block through ``nn.Module.__call__``'s slow path)."""
+    return sum(len(block._forward_pre_hooks) + len(block._forward_hooks)
+               for _, blocks in adapter.blocks(transformer) for block in blocks)
 
 
 def python_call_case(rank, world, family, depths):
     """Python calls of one transformer forward of a tiny ``family`` pipeline, plain and
     through the sequence-parallel path at degree 1, with each block list deepened to each
-    of ``depths`` blocks; ``[(blocks, plain calls, sp calls, max |diff|)]`` per depth."""
+    of ``depths`` blocks; ``[(blocks, plain calls, sp calls, max |diff|, block hooks while
+    the path is installed)]`` per depth."""
     pipe, adapter, transformer, forward = _transformer_forward(family)
     rows = []
     for depth in depths:
         _deepen(transformer, adapter, depth)
         blocks = sum(len(module_list) for _, module_list in adapter.blocks(transformer))
-        rows.append((blocks, *_plain_and_degree_one(pipe, forward, _python_calls)))
+        rows.append((blocks, *_plain_and_degree_one(
+            pipe, forward, _python_calls, lambda: _block_hooks(adapter, transformer))))
     return rows
-
-
-def python_call_overhead_case(rank, world, family, depths):
-    """:func:`python_call_case`'s rows and the calls torch adds to dispatch a block hook."""
-    return python_call_case(rank, world, family, depths), _hook_dispatch_calls()
 
 
 def _deepen(transformer, adapter, blocks_per_list: int) -> None:
@@ -318,6 +308,11 @@ def _image_shares(transformer) -> set[tuple[int, int]]:
         if isinstance(parallel, SequenceParallelAttention) and parallel.state.split is not None:
             shares.add((parallel.state.split.mine, parallel.state.split.total))
     return shares
+
+
+def _is_compiled(fn) -> bool:
+    """Whether ``fn`` is what ``torch.compile`` returned for a function or method."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def compile_case(rank, world, family, parallels, backend, blocks_per_list, recompile_limit):
@@ -362,6 +357,10 @@ def compile_case(rank, world, family, parallels, backend, blocks_per_list, recom
                 graphs=counters["stats"]["unique_graphs"],
                 call_compiled=all(b._compiled_call_impl is not None for b in blocks),
                 forward_compiled=all("forward" in b.__dict__ for b in blocks),
+                # a sequence-parallel forward wrapper's wrapped forward is compiled
+                inner_compiled=all(_is_compiled(getattr(b.__dict__.get("forward"), "inner", None))
+                                   for b in blocks),
+                block_hooks=_block_hooks(adapter, pipe.transformer),
                 image_shares=_image_shares(pipe.transformer))
             od.undo(pipe)
             runs[label]["undone"] = all(b._compiled_call_impl is None and "forward" not in b.__dict__
@@ -370,3 +369,46 @@ def compile_case(rank, world, family, parallels, backend, blocks_per_list, recom
         torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limits
         torch._dynamo.reset()
     return runs
+
+
+def compile_undo_order_case(rank, world, compile_undone_first):
+    """A tiny Qwen-Image transformer through the sequence-parallel path at degree 1, then
+    regional compile (``compile_backend="eager"``), undone in either order. One block
+    carries an instance ``forward`` of its own beforehand, which must come back as it
+    was. Returns: max |diff| compiled and after both undos (against the plain forward),
+    whether every block's wrapped forward was compiled, whether each block's instance
+    ``forward`` is the same object as before (or again absent), and the block hooks left."""
+    import functools
+
+    from omni_diffusion.accelerate import AccelConfig, _apply_compile
+    from omni_diffusion.adapters import adapter_for_transformer
+    from omni_diffusion.parallel import parallelize
+    from omni_diffusion.testing import tiny_transformer
+
+    model, inputs = tiny_transformer("qwen_image")
+    adapter = adapter_for_transformer(model)
+    blocks = [b for _, blocks in adapter.blocks(model) for b in blocks]
+    blocks[0].forward = functools.partial(type(blocks[0]).forward, blocks[0])
+    missing = object()
+    before = [b.__dict__.get("forward", missing) for b in blocks]
+
+    def forward():
+        with torch.no_grad():
+            return model(**inputs)[0].float()
+
+    ref = forward()
+    undo_parallel = parallelize(model, ParallelConfig(), attention_backend="sdpa_math",
+                                device_type="cpu", force_sequence_parallel=True)
+    undo_compile = _apply_compile(model, adapter, AccelConfig(compile=True, compile_backend="eager"))
+    try:
+        compiled = forward()
+        inner_compiled = all(_is_compiled(getattr(b.__dict__.get("forward"), "inner", None))
+                             for b in blocks)
+    finally:
+        for undo in ((undo_compile, undo_parallel) if compile_undone_first
+                     else (undo_parallel, undo_compile)):
+            undo()
+    restored = [b.__dict__.get("forward", missing) is previous for b, previous in zip(blocks, before)]
+    return dict(diff=(compiled - ref).abs().max().item(), scale=ref.abs().max().item(),
+                after_undo=(forward() - ref).abs().max().item(), inner_compiled=inner_compiled,
+                restored=restored, block_hooks=_block_hooks(adapter, model))

@@ -41,10 +41,10 @@ COMPILE_PARALLELS = [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}]
 def test_regional_compile_with_parallel(pools):
     """Regional compile (aot_eager: Dynamo and AOTAutograd trace what Inductor would
     compile) at degree 1 and with Ulysses, Ring and CFG parallelism on a tiny Flux of 4 +
-    4 blocks, against the uncompiled single-process output. The sequence-parallel block
-    hooks stay out of the compiled region: without Ring's graph break the parallel run
-    compiles as many graphs as degree 1, and no code object compiles more than
-    RECOMPILE_LIMIT times (a hit fails the run)."""
+    4 blocks, against the uncompiled single-process output. The bookkeeping of the
+    sequence-parallel block forward wrappers stays out of the compiled region: without
+    Ring's graph break the parallel run compiles as many graphs as degree 1, and no code
+    object compiles more than RECOMPILE_LIMIT times (a hit fails the run)."""
     results = pools(2).run("compile_case", "flux", COMPILE_PARALLELS, "aot_eager", BLOCKS_PER_LIST,
                            RECOMPILE_LIMIT)
     for rank, runs in enumerate(results):
@@ -57,11 +57,25 @@ def test_regional_compile_with_parallel(pools):
         for index, parallel in enumerate(COMPILE_PARALLELS):
             run = runs[index]
             if parallel.get("ulysses", 1) * parallel.get("ring", 1) > 1:
-                # hooked blocks: their forward is compiled, the hooks run around it
-                assert run["forward_compiled"] and not run["call_compiled"], (parallel, run)
+                # each block's forward is wrapped: the wrapped forward is compiled and the
+                # wrapper's bookkeeping runs around it, with no module hook on any block
+                assert run["forward_compiled"] and run["inner_compiled"], (parallel, run)
+                assert not run["call_compiled"] and run["block_hooks"] == 0, (parallel, run)
                 assert run["image_shares"] and all(mine < total for mine, total in run["image_shares"]), \
                     (parallel, run)
             else:
                 assert run["call_compiled"] and not run["image_shares"], (parallel, run)
             if parallel.get("ring", 1) == 1:
                 assert run["graphs"] == degree1["graphs"], (parallel, run, degree1)
+
+
+@pytest.mark.parametrize("compile_undone_first", [True, False], ids=["compile-undone-first",
+                                                                     "parallel-undone-first"])
+def test_compile_inside_sequence_parallel_wrapper_undoes_in_either_order(pools, compile_undone_first):
+    """Regional compile on blocks carrying the sequence-parallel forward wrapper compiles
+    the forward the wrapper holds; both undos, in either order, leave each block's
+    instance ``forward`` exactly as before (one block had one of its own)."""
+    (run,) = pools(1).run("compile_undo_order_case", compile_undone_first)
+    assert run["scale"] > 0.1 and run["diff"] <= TOL and run["after_undo"] == 0.0, run
+    assert run["inner_compiled"], run
+    assert all(run["restored"]) and run["block_hooks"] == 0, run
