@@ -6,12 +6,20 @@ random-weight transformer of ``bench/pipeline.py`` (``flux``: FLUX.1-dev shape a
 ``wan``: Wan2.1-14B shape at 480p/81 frames; ``--smoke``: their tiny CPU versions) and the
 same inputs. Rank 0 first times the plain model on its own GPU (the 1-GPU baseline, same
 process, same inputs, same attention backend) while the other ranks wait; then, for each
-strategy, every rank applies :func:`omni_diffusion.parallel.parallelize`, the forward is
-timed on all ranks together, and the strategy is undone before the next one:
+strategy, every rank applies it with ``omni_diffusion.accelerate(model,
+AccelConfig(..., parallel=ParallelConfig(...)))``, the forward is timed on all ranks
+together, and the strategy is undone before the next one:
 
 * ``ulysses``: ``ParallelConfig(ulysses=N)``; ``ring``: ``ring=N``;
 * ``usp``: ``ulysses=2, ring=N/2`` (N >= 4, even);
 * ``tp``: ``tp=N`` (attention projections and MLPs sharded, one all-reduce per sub-block).
+
+The acceleration stack is the same for the baseline and every strategy: omni's attention
+(``--attention``), and with ``--compile`` regional ``torch.compile`` of the blocks, with
+``--quant fp8|int8`` W8A8 linear layers, all through ``omni_diffusion.accelerate`` (with
+``AccelConfig.parallel`` for the strategies), undone between runs. Without them the forwards
+are eager, where a Flux-sized model is bound by each rank's kernel launches (every rank
+still launches every kernel), so eager scaling understates what the stack reaches.
 
 CFG parallelism splits the two guidance branches of a *pipeline* call, so it is not a
 transformer-forward figure: measure it with a pipeline, not here.
@@ -23,6 +31,7 @@ its plain output. Rank 0 writes ``parallel_scaling_<model>_x<N>_<device>_<date>.
 ``.md`` to ``--out-dir`` and prints the table.
 
     torchrun --nproc_per_node 2 bench/parallel_scaling.py --model flux --out-dir bench/results
+    torchrun --nproc_per_node 8 bench/parallel_scaling.py --model wan --compile --quant fp8
     torchrun --nproc_per_node 2 bench/parallel_scaling.py --smoke --model flux   # CPU check
 """
 
@@ -42,7 +51,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment  # noqa: E402
+from bench._environment import base_environment, device_slug  # noqa: E402
 from bench.pipeline import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -97,20 +106,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention", default="auto", help="omni attention backend for every run")
     parser.add_argument("--warmup", type=int, default=None, help="default: the model's (bench/pipeline.py)")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (every run)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile")
+    parser.add_argument("--quant", choices=("fp8", "int8"), default=None, help="W8A8 linear layers (every run)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo")
     parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"))
     return parser.parse_args(argv)
 
 
-def _markdown(env: dict, spec, world: int, baseline_ms: float, rows: list[dict]) -> str:
+def _stack_words(args) -> str:
+    parts = [f"attention {args.attention}"]
+    if args.compile:
+        parts.append(f"regional compile ({args.compile_backend})")
+    if args.quant:
+        parts.append(f"{args.quant} W8A8 linears")
+    return ", ".join(parts) if args.compile or args.quant else f"{parts[0]}, eager"
+
+
+def _markdown(env: dict, spec, world: int, baseline_ms: float, rows: list[dict], stack: str) -> str:
     lines = [
         f"# Parallel scaling: {spec.name} on {world} x {env.get('device') or 'CPU (gloo)'}",
         "",
         f"commit {env.get('git_commit')}, torch {env.get('torch')}, {env.get('utc')}; "
         f"command: `{env.get('command')}`",
         "",
-        f"{spec.description}. 1-GPU baseline (rank 0, plain forward, same attention backend): "
-        f"{baseline_ms:.2f} ms.",
+        f"{spec.description}. Stack (every run): {stack}. 1-GPU baseline (rank 0, plain forward, "
+        f"same stack): {baseline_ms:.2f} ms.",
         "",
         "| strategy | config | forward ms (slowest rank) | speed-up | efficiency | peak GiB per rank | rel err | status |",
         "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
@@ -145,14 +166,19 @@ def main(argv=None) -> int:
     iters = spec.iters if args.iters is None else args.iters
 
     import omni_diffusion as od
-    from omni_diffusion.parallel import parallelize
-
     model = build_transformer(spec, device, dtype)
     inputs = make_inputs(spec, device, dtype)
-    od.accelerate(model, od.AccelConfig(attention=args.attention))
+    stack = dict(attention=args.attention, compile=args.compile, compile_backend=args.compile_backend,
+                 quant=args.quant)
+    if args.quant and device.type == "cpu":  # the smoke test: torch's CPU ops, not the interpreter
+        stack["quant_options"] = {"activation_backend": "torch"}
     baseline_ms, reference = 0.0, None
     if rank == 0:
-        baseline_ms, reference = _median_ms(model, inputs, warmup, iters, device)
+        od.accelerate(model, od.AccelConfig(**stack))
+        try:
+            baseline_ms, reference = _median_ms(model, inputs, warmup, iters, device)
+        finally:
+            od.undo(model)
         print(f"[rank 0] plain forward {baseline_ms:.2f} ms", flush=True)
     dist.barrier()
 
@@ -164,8 +190,7 @@ def main(argv=None) -> int:
             continue
         described = ", ".join(f"{k}={v}" for k, v in vars(config).items() if isinstance(v, int) and v > 1)
         try:
-            undo = parallelize(model, config, attention_backend=None if args.attention == "auto" else args.attention,
-                               device_type=device.type)
+            od.accelerate(model, od.AccelConfig(**stack, parallel=config))
         except ValueError as error:  # raised before any collective, the same on every rank
             rows.append(dict(strategy=strategy, config=described, status=f"refused: {error}"))
             continue
@@ -175,7 +200,7 @@ def main(argv=None) -> int:
             times = _gather_floats(ms, world)
             peaks = _gather_floats(_peak_gib(device), world)
         finally:
-            undo()
+            od.undo(model)
             dist.barrier()
         if rank == 0:
             slowest = max(t for t in times if t is not None)
@@ -190,14 +215,15 @@ def main(argv=None) -> int:
     if rank == 0:
         env = base_environment()
         date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
-        slug = "cpu" if not cuda else torch.cuda.get_device_name(device).lower().replace("nvidia ", "").replace(" ", "-")
-        stem = f"parallel_scaling_{spec.key}{'-smoke' if args.smoke else ''}_x{world}_{slug}_{date}"
+        slug = "cpu" if not cuda else device_slug(torch.cuda.get_device_name(device))
+        tags = ("-smoke" if args.smoke else "") + ("-compile" if args.compile else "") + (f"-{args.quant}" if args.quant else "")
+        stem = f"parallel_scaling_{spec.key}{tags}_x{world}_{slug}_{date}"
         args.out_dir.mkdir(parents=True, exist_ok=True)
         record = dict(benchmark="parallel_scaling", environment=env, model=spec.name, world_size=world,
                       baseline_ms=baseline_ms, rows=rows,
                       args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
         (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        md = _markdown(env, spec, world, baseline_ms, rows)
+        md = _markdown(env, spec, world, baseline_ms, rows, _stack_words(args))
         (args.out_dir / f"{stem}.md").write_text(md)
         print(md)
     dist.destroy_process_group()
