@@ -71,3 +71,22 @@ def device_slug(name: str, empty: str = "unknown-device") -> str:
     """A device name as a file-name part: ``"NVIDIA H200"`` -> ``"nvidia-h200"`` (``empty``
     when nothing is left)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or empty
+
+
+def init_torchrun_process_group(cpu: bool, timeout: _dt.timedelta | None = None) -> torch.device:
+    """Join torchrun's default process group; returns this process's device.
+
+    ``cuda:$LOCAL_RANK`` with NCCL when a GPU is visible and ``cpu`` is false (made the current
+    device), else the CPU with gloo. ``timeout``: the collectives' timeout (``None``: torch's).
+    """
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not cpu
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    options = {} if timeout is None else dict(timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, **options)
+    return device
