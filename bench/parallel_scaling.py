@@ -67,6 +67,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+import dataclasses  # noqa: E402
+
 from bench._environment import base_environment, device_slug  # noqa: E402
 from bench.pipeline import (  # noqa: E402
     MODELS,
@@ -77,6 +79,25 @@ from bench.pipeline import (  # noqa: E402
     relative_error,
     time_variant,
 )
+
+#: bench/pipeline.py's models plus the sizes issue 11 scales: Flux at 2048x2048 and Wan at 720p
+SCALING_MODELS = {
+    **MODELS,
+    "flux-2048": dataclasses.replace(
+        MODELS["flux"], key="flux-2048", name="flux1-dev-2048",
+        description="FLUX.1-dev shape, 2048x2048: 16384 image + 512 text tokens, 24 heads x 128, "
+                    "19 + 38 blocks, guidance-distilled (1 forward / step)",
+        warmup=2, iters=5, attention=(1, 24, 16896, 16896, 128), sizes=dict(side=128, text=512),
+    ),
+    "wan-720p": dataclasses.replace(
+        MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
+        description="Wan2.1-T2V-14B shape, 720x1280, 81 frames: 75,600 video tokens, 40 heads x 128, "
+                    "40 blocks, 512 text tokens, CFG (2 forwards / step)",
+        warmup=1, iters=3, attention=(1, 40, 75600, 75600, 128),
+        sizes=dict(frames=21, height=90, width=160, text=512),
+    ),
+}
+SMOKE_SCALING_MODELS = {**SMOKE_MODELS, "flux-2048": SMOKE_MODELS["flux"], "wan-720p": SMOKE_MODELS["wan"]}
 
 STRATEGIES = ("ulysses", "ring", "usp", "tp", "cfg", "cfg_ulysses")
 #: strategies timed as a true-CFG step (two transformer calls) against the CFG-step baseline
@@ -235,7 +256,7 @@ def _gather_floats(value: float | None, world: int) -> list[float | None]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="flux")
+    parser.add_argument("--model", choices=sorted(SCALING_MODELS), default="flux")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--attention", default="auto", help="omni attention backend for every run")
     parser.add_argument("--warmup", type=int, default=None, help="default: the model's (bench/pipeline.py)")
@@ -314,7 +335,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    spec = (SMOKE_MODELS if args.smoke else MODELS)[args.model]
+    spec = (SMOKE_SCALING_MODELS if args.smoke else SCALING_MODELS)[args.model]
     dtype = torch.bfloat16 if cuda else torch.float32
     warmup = spec.warmup if args.warmup is None else args.warmup
     iters = spec.iters if args.iters is None else args.iters
