@@ -69,8 +69,8 @@ def _scaled_gemm_kernel(
             b = tl.load(b_ptrs)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0)
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
         if B_TO_A:
             b = b.to(a.dtype)
         if INT_ACC:

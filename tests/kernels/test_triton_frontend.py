@@ -1,4 +1,4 @@
-"""omni's quantization Triton kernels pass Triton's compiler front end for sm_90, on the CPU.
+"""omni's quantization, GEMM and halo Triton kernels pass Triton's compiler front end for sm_90, on the CPU.
 
 The interpreter (how CI runs the kernels) executes the Python source and accepts what the
 compiler refuses, e.g. a plain module-level float read inside a kernel: a GELU constant did
@@ -40,6 +40,31 @@ CASES.update({
         dict(_QUANT_CONSTANTS, NORM=norm, HAS_W=True, HAS_B=norm == 2, HAS_MOD_SCALE=True, HAS_MOD_SHIFT=True,
              HAS_CLAMP=False, BLOCK_K=4096, SINGLE_TILE=tile))
     for norm in (0, 1, 2) for tile in (True, False)
+})
+
+
+_GEMM_ARGS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+              "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "i32",
+              "stride_bn": "i32", "stride_bk": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+CASES.update({
+    f"scaled_gemm-{kind}": (
+        "omni_kernels.quant.triton_gemm", "_scaled_gemm_kernel",
+        {**_GEMM_ARGS, **({"a_ptr": "*i8", "b_ptr": "*i8"} if kind == "int8" else {})},
+        dict(HAS_A_SCALE=True, HAS_BIAS=True, B_TO_A=False, INT_ACC=kind == "int8", EVEN_K=False,
+             IEEE_FP32=False, FAST_ACCUM=kind == "fp8-fast", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8))
+    for kind in ("fp8", "fp8-fast", "int8")
+})
+_HALO_DIMS = {name: "i32" for name in ("T", "NT", "H", "W", "sxn", "sxt", "sxh", "sxw")}
+CASES["halo_pack"] = ("omni_kernels.halo.triton_kernel", "_halo_pack_kernel",
+                      {"x_ptr": "*bf16", "lo_ptr": "*bf16", "hi_ptr": "*bf16", "N_LO": "i32", "N_HI": "i32",
+                       **_HALO_DIMS}, dict(BLOCK_W=256))
+CASES.update({
+    f"halo_assemble-modes{lo}{hi}": (
+        "omni_kernels.halo.triton_kernel", "_halo_assemble_kernel",
+        {"x_ptr": "*bf16", "lo_ptr": "*bf16", "hi_ptr": "*bf16", "out_ptr": "*bf16", "LO": "i32", "HI": "i32",
+         **_HALO_DIMS, **{name: "i32" for name in ("son", "sot", "soh", "sow")}},
+        dict(LO_MODE=lo, HI_MODE=hi, RECV=0, ZERO=1, BLOCK_W=256))
+    for lo, hi in ((0, 1), (2, 0))
 })
 
 
