@@ -1,4 +1,4 @@
-"""omni's quantization, GEMM and halo Triton kernels pass Triton's compiler front end for sm_90, on the CPU.
+"""omni's Triton kernels (quantization, GEMM, halo, QK-norm+RoPE, flash and quantized attention) pass Triton's compiler front end for sm_90, on the CPU.
 
 The interpreter (how CI runs the kernels) executes the Python source and accepts what the
 compiler refuses, e.g. a plain module-level float read inside a kernel: a GELU constant did
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 _QUANT_CONSTANTS = dict(QMAX=448.0, IS_INT8=False, MIN_AMAX=1e-12, USE_LIBDEVICE=True)
 _ACTIVATED_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "activation_from": "i32",
@@ -66,6 +66,48 @@ CASES.update({
         dict(LO_MODE=lo, HI_MODE=hi, RECV=0, ZERO=1, BLOCK_W=256))
     for lo, hi in ((0, 1), (2, 0))
 })
+
+
+_QK_ARGS = {name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_weight_ptr", "k_weight_ptr")}
+_QK_ARGS.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "eps": "fp32"})
+_QK_ARGS.update({name: "i32" for name in (
+    "seq_len", "heads_q", "heads_k", "q_stride_b", "q_stride_s", "q_stride_h", "k_stride_b", "k_stride_s",
+    "k_stride_h", "q_out_stride_b", "q_out_stride_s", "q_out_stride_h", "k_out_stride_b", "k_out_stride_s",
+    "k_out_stride_h")})
+CASES.update({
+    f"qk_norm_rope-{'interleaved' if interleaved else 'halves'}-{'across' if across else 'per_head'}": (
+        "omni_kernels.qk_norm_rope.triton_kernel", "_qk_rmsnorm_rope_kernel", _QK_ARGS,
+        dict(HAS_Q_WEIGHT=True, HAS_K_WEIGHT=True, NORM_ACROSS_HEADS=across, BLOCK_HQ=32, BLOCK_HK=32,
+             HALF_D=64, BLOCK_D=128, INTERLEAVED=interleaved, COMPUTE_DTYPE=triton.language.float32))
+    for interleaved in (True, False) for across in (True, False)
+})
+
+
+# Attention without TMA descriptors (None: a constexpr); the TMA variants need descriptor types.
+_FLASH_ARGS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "LSE": "*fp32", "KEY_LENGTHS": "*i32",
+               "qk_scale": "fp32"}
+_FLASH_ARGS.update({name: "i32" for name in (
+    "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+    "stride_vn", "stride_ob", "stride_oh", "stride_om", "num_heads", "num_kv_heads", "seq_q", "seq_k",
+    "num_m_blocks")})
+CASES.update({
+    f"flash_attention-{'causal' if causal else 'full'}-{'pipelined' if pipeline else 'plain'}": (
+        "omni_kernels.attention.triton_flash", "_attn_fwd_kernel", _FLASH_ARGS,
+        dict(q_desc=None, k_desc=None, v_desc=None, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64,
+             CAUSAL=causal, HAS_KEY_LENGTHS=True, RETURN_LSE=True, USE_TMA=False, TMA_BSHD=False, FP32=False,
+             PIPELINE_QK=pipeline, WARP_SPECIALIZE=False))
+    for causal in (False, True) for pipeline in (False, True)
+})
+_SAGE_ARGS = {"Q8": "*i8", "QS": "*fp32", "QKMEAN": "*fp32", "K8": "*i8", "KS": "*fp32", "VT8": "*fp8e4nv",
+              "VS": "*fp32", "Out": "*bf16", "LSE": "*fp32", "KEY_LENGTHS": "*i32", "scale": "fp32",
+              "qk_scale": "fp32"}
+_SAGE_ARGS.update({name: "i32" for name in (
+    "stride_ob", "stride_oh", "stride_om", "num_heads", "num_kv_heads", "seq_q", "seq_k", "seq_k_pad",
+    "num_m_blocks")})
+CASES["sage_attention"] = (
+    "omni_kernels.attention.quantized.attention_kernel", "_sage_fwd_kernel", _SAGE_ARGS,
+    dict(q_desc=None, k_desc=None, v_desc=None, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, HAS_KEY_LENGTHS=True,
+         RETURN_LSE=True, USE_TMA=False, EMULATE_FP8=False, WARP_SPECIALIZE=False))
 
 
 def _lower_to_ttir(module_name: str, kernel_name: str, arg_types: dict, constexprs: dict) -> str:
