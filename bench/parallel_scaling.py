@@ -69,7 +69,12 @@ if str(REPO_ROOT) not in sys.path:
 
 import dataclasses  # noqa: E402
 
-from bench._environment import base_environment, device_slug  # noqa: E402
+from bench._environment import (  # noqa: E402
+    base_environment,
+    device_slug,
+    gather_from_ranks,
+    init_torchrun_process_group,
+)
 from bench.pipeline import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -248,12 +253,6 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _gather_floats(value: float | None, world: int) -> list[float | None]:
-    values: list[float | None] = [None] * world
-    dist.all_gather_object(values, value)
-    return values
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SCALING_MODELS), default="flux")
@@ -328,12 +327,8 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc_per_node 2 bench/parallel_scaling.py", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available() and not args.smoke
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    device = init_torchrun_process_group(cpu=args.smoke)
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = (SMOKE_SCALING_MODELS if args.smoke else SCALING_MODELS)[args.model]
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -396,9 +391,9 @@ def main(argv=None) -> int:
         try:
             _reset_peak(device)
             ms, out = _median_ms(target, call_inputs, warmup, iters, device)
-            times = _gather_floats(ms, world)
-            peaks = _gather_floats(_peak_gib(device), world)
-            forwards = _gather_floats(forwards_per_call(target, call_inputs), world)
+            times = gather_from_ranks(ms, world)
+            peaks = gather_from_ranks(_peak_gib(device), world)
+            forwards = gather_from_ranks(forwards_per_call(target, call_inputs), world)
         finally:
             od.undo(target)
             dist.barrier()

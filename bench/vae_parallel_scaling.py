@@ -72,8 +72,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment, device_slug, init_torchrun_process_group  # noqa: E402
-from bench.parallel_scaling import _gather_floats as gather_from_ranks  # noqa: E402
+from bench._environment import (  # noqa: E402
+    base_environment,
+    device_slug,
+    gather_from_ranks,
+    init_torchrun_process_group,
+)
 from bench.pipeline import relative_error, synchronize  # noqa: E402
 
 MODES = ("tile", "spatial")

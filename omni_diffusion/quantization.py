@@ -703,7 +703,8 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     config = QuantConfig() if config is None else QuantConfig.from_dict(config)
     plans = plan_quantization(module, config)
     _check_hardware(module, plans, config)
-    adapter = _resolve_adapter(module, adapter) if config.fuses_projections else adapter
+    if config.fuses_projections or config.fuses_activations:  # both read the family's declarations
+        adapter = _resolve_adapter(module, adapter)
     fusing = plan_fusion(module, config, adapter, plans)
     member_of = {f"{a}.{m}": a for a in fusing for _, members in _fusion_groups(module.get_submodule(a))
                  for m in members}
@@ -736,7 +737,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     _record_fusion(module, fused)
     folded: list[_ActivationSite] = []
     if config.fuses_activations and replaced is None:
-        sites = plan_activation_fusion(module, _resolve_adapter(module, adapter))
+        sites = plan_activation_fusion(module, adapter)
         for site in sites:
             _fold_activation(module, site)
         _record_activations(module, sites)
