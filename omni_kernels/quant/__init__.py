@@ -6,13 +6,15 @@
   ``"cuda"`` (``csrc/quant/``), ``"triton"`` (:mod:`.triton_kernel`),
   ``"torch"`` (:mod:`.reference`).
 * :func:`quantize_activated_per_token`: the same quantization of a GELU's output,
-  the GELU applied in the quantization pass (Triton, :mod:`.activated_triton_kernel`).
+  the GELU applied in the quantization pass (Triton, :mod:`.activated_triton_kernel`);
+  with ``prefix=``, of ``cat(prefix, GELU(x))`` without writing the ``cat``.
 * :func:`quantize_weight`: per-output-channel weight quantization (once, at load time).
 * :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
   ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
   ``"torch"`` (float32 reference).
-* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them; its
+* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them
+  (:meth:`QuantizedLinear.forward_concat`: the layer on ``cat(head, tail)``); its
   ``activation_backend="auto"`` quantizes with the kernels in eager mode and with
   plain torch ops under ``torch.compile`` (:func:`resolve_activation_backend`).
 """

@@ -8,7 +8,10 @@ only the 8-bit input and its scales are written. Backends:
 * ``"triton"``: :mod:`.activated_triton_kernel`, through the op
   ``torch.ops.omni_kernels.quantize_activated_triton``, a ``torch.library.triton_op``:
   ``torch.compile`` traces into it and Inductor launches the Triton kernel from
-  its generated code (no Python dispatch per call).
+  its generated code (no Python dispatch per call). With ``prefix=`` (Flux's
+  ``proj_out`` input ``cat(attention output, GELU(mlp))`` read without its ``cat``),
+  the op ``torch.ops.omni_kernels.quantize_activated_concat_triton``, the same kernel
+  reading the prefix through its own pointer.
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
   plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
 
@@ -58,6 +61,43 @@ def _(x, activation_from, clamp, out_dtype):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
+@_register_op("omni_kernels::quantize_activated_concat_triton", mutates_args=())
+def _quantize_activated_concat_triton_op(
+    prefix: torch.Tensor, x: torch.Tensor, clamp: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton
+
+    return launch_quantize_activated_triton(x, 0, clamp, out_dtype, prefix=prefix)
+
+
+@_quantize_activated_concat_triton_op.register_fake
+def _(prefix, x, clamp, out_dtype):
+    rows = x.shape[0]
+    return (x.new_empty((rows, prefix.shape[1] + x.shape[1]), dtype=out_dtype),
+            x.new_empty((rows, 1), dtype=torch.float32))
+
+
+def check_prefix(prefix: torch.Tensor, x: torch.Tensor) -> None:
+    """``ValueError`` unless ``prefix`` ``[..., K0]`` can go before ``x`` ``[..., K]`` in a
+    ``cat(..., -1)``: a tensor with ``x``'s leading shape, dtype and device."""
+    if not isinstance(prefix, torch.Tensor) or prefix.dim() < 1:
+        raise ValueError(f"prefix must be None or a tensor [..., K0]; got {type(prefix).__name__}")
+    if prefix.shape[:-1] != x.shape[:-1]:
+        raise ValueError(
+            f"prefix [..., K0] must have x's leading shape {tuple(x.shape[:-1])}; got {tuple(prefix.shape)}"
+        )
+    if prefix.dtype != x.dtype:
+        raise ValueError(f"prefix must have x's dtype {x.dtype}; got {prefix.dtype}")
+    if prefix.device != x.device:
+        raise ValueError(f"prefix must be on x's device {x.device}; got {prefix.device}")
+
+
+def _rows_with_unit_column_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[..., W]`` as ``[rows, W]``, a view where the rows allow (any row stride)."""
+    rows = t.reshape(t.shape[:-1].numel(), t.shape[-1])  # not -1: a width of 0 leaves it ambiguous
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def quantize_activated_per_token(
     x: torch.Tensor,
     dtype="fp8",
@@ -66,8 +106,10 @@ def quantize_activated_per_token(
     activation_from: int = 0,
     clamp: float | None = None,
     backend: str = "auto",
+    prefix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply ``activation`` to the columns ``activation_from:`` of ``x``, then quantize each row.
+    """Apply ``activation`` to the columns ``activation_from:`` of ``x``, then quantize each row
+    (of ``cat([prefix, activated(x)], -1)`` when a ``prefix`` is given).
 
     Args:
         x: ``[..., K]`` float16/bfloat16/float32, the activation's input (for
@@ -80,10 +122,18 @@ def quantize_activated_per_token(
         activation_from: first activated column, ``0 <= activation_from < K``.
         clamp: clip the activated row to ``[-clamp, clamp]`` before its absolute maximum.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        prefix: ``None``, or ``[..., K0]`` with ``x``'s leading shape, dtype and device:
+            columns taken as they are and placed before ``x``'s, without materializing the
+            ``cat`` (Flux's single blocks: the attention output before ``GELU(proj_mlp(h))``).
+            The activation then applies to all of ``x`` (``activation_from`` must be 0). The
+            result is that of ``x = cat([prefix, x], -1)`` with ``activation_from = K0``: bit for
+            bit with ``"torch"`` (which materializes the ``cat``: it is the float32 reference),
+            and with ``"triton"`` the same kernel's values. Rows of either may have any stride
+            (a column slice of a wider tensor is read in place) as long as columns are contiguous.
 
     Returns:
-        ``(q, scale)``: ``q`` of ``x``'s shape in the quantized dtype and ``scale``
-        ``[..., 1]`` float32, with ``activated(x) ~= q * scale``.
+        ``(q, scale)``: ``q`` ``[..., K0 + K]`` (``K0 = 0`` without a prefix) in the quantized
+        dtype and ``scale`` ``[..., 1]`` float32, with ``cat(prefix, activated(x)) ~= q * scale``.
 
     Raises:
         ValueError: a bad argument or a backend that cannot take the inputs (named).
@@ -102,10 +152,17 @@ def quantize_activated_per_token(
         raise ValueError(f"activation_from must be an int in [0, K={k}); got {activation_from!r}")
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be None or > 0; got {clamp}")
+    if prefix is not None:
+        check_prefix(prefix, x)
+        if activation_from != 0:
+            raise ValueError(
+                f"activation_from must be 0 with a prefix (the activation applies to all of x); "
+                f"got {activation_from}"
+            )
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows_with_unit_column_stride(x)
+    prefix2 = _rows_with_unit_column_stride(prefix) if prefix is not None else None
+    width = k + (prefix.shape[-1] if prefix is not None else 0)
     backend = choose_backend(
         "quantize_activated_per_token", backend, _AUTO_ORDER,
         lambda name: triton_ineligible_reason(x2, qdtype) if name == "triton" else None,
@@ -113,10 +170,13 @@ def quantize_activated_per_token(
         describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
         logged=_logged_auto_choices, logger=logger,
     )
+    clamp_arg = float(clamp) if clamp is not None else 0.0
     if backend == "torch":
+        if prefix2 is not None:
+            x2, activation_from = torch.cat([prefix2, x2], -1), prefix2.shape[-1]
         q, scale = quantize_activated_reference(x2, qdtype, activation, activation_from, clamp)
+    elif prefix2 is not None:
+        q, scale = torch.ops.omni_kernels.quantize_activated_concat_triton(prefix2, x2, clamp_arg, qdtype)
     else:
-        q, scale = torch.ops.omni_kernels.quantize_activated_triton(
-            x2, activation_from, float(clamp) if clamp is not None else 0.0, qdtype
-        )
-    return q.reshape(*lead, k), scale.reshape(*lead, 1)
+        q, scale = torch.ops.omni_kernels.quantize_activated_triton(x2, activation_from, clamp_arg, qdtype)
+    return q.reshape(*lead, width), scale.reshape(*lead, 1)

@@ -54,7 +54,7 @@ from omni_kernels.quant.dispatch import (
     quantize_per_token,
     resolve_quant_dtype,
 )
-from omni_kernels.quant.activated import quantize_activated_per_token
+from omni_kernels.quant.activated import check_prefix, quantize_activated_per_token
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
     INPUT_ACTIVATIONS,
@@ -421,6 +421,7 @@ def quantized_linear(
     split_k: int | None = None,
     input_activation: str | None = None,
     activation_from: int = 0,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``nn.Linear`` on ``x`` ``[..., K]`` with a quantized weight; output in ``x``'s dtype.
 
@@ -431,17 +432,29 @@ def quantized_linear(
     (W8A8 only), the layer computes ``linear(activated(x))``:
     :func:`~omni_kernels.quant.quantize_activated_per_token` applies it to the
     columns ``activation_from:`` of ``x`` in the quantization pass.
+
+    ``prefix`` ``[..., K0]`` (``x``'s leading shape, dtype and device) makes the input
+    ``cat([prefix, x], -1)``, the result that of this function on it. When the activation
+    starts right after the prefix (``input_activation`` set, ``activation_from == K0``), the
+    quantization reads the two in place and the ``cat`` is never materialized; otherwise it is.
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
+    if prefix is not None:
+        check_prefix(prefix, x)
+        if input_activation is None or activation_from != prefix.shape[-1]:
+            x, prefix = torch.cat([prefix, x], -1), None
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if input_activation is not None:
         if method.endswith("_weight_only"):
             raise ValueError(f"input_activation needs a W8A8 method; got method {method!r}")
+        if prefix is not None:
+            # The activation covers all of x; the prefix passes through (see quantize_activated_per_token).
+            prefix, activation_from = prefix.reshape(x2.shape[0], prefix.shape[-1]), 0
         x_q, x_scale = quantize_activated_per_token(
             x2, w_q.dtype, activation=input_activation, activation_from=activation_from, clamp=clamp,
-            backend=activated_quantize_backend(activation_backend),
+            backend=activated_quantize_backend(activation_backend), prefix=prefix,
         )
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     elif method.endswith("_weight_only"):
@@ -565,11 +578,26 @@ class QuantizedLinear(nn.Module):
         return self.method.endswith("_weight_only")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._quantized_linear(x)
+
+    def _quantized_linear(self, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
         return quantized_linear(
             x, self.qweight, self.weight_scale, self.bias, self.method, backend=self.backend,
             activation_backend=self.activation_backend, clamp=self.clamp, fast_accum=self.fast_accum,
             split_k=self.split_k, input_activation=self.input_activation, activation_from=self.activation_from,
+            prefix=prefix,
         )
+
+    def forward_concat(self, head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """``self(torch.cat([head, tail], -1))``, the same values, for ``head`` ``[..., K0]`` and
+        ``tail`` ``[..., in_features - K0]`` (same leading shape, dtype and device).
+
+        A W8A8 layer whose ``input_activation`` starts at column ``K0`` (Flux's single blocks'
+        ``proj_out`` on ``cat(attention output, proj_mlp output)``) quantizes the two in place,
+        the ``cat`` never written (:func:`quantized_linear`'s ``prefix``); any other layer
+        concatenates and runs :meth:`forward`'s path on the ``cat``.
+        """
+        return self._quantized_linear(tail, prefix=head)
 
     def forward_quantized(
         self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype

@@ -637,3 +637,186 @@ def test_gpu_activated_op_under_inductor(inputs):
     compiled = torch.compile(quantize, fullgraph=True)(x)
     torch._dynamo.reset()
     assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[0].float(), eager[0].float())
+
+
+# ============================================================================ GELU-fused quantization of cat(prefix, GELU(x))
+
+from omni_kernels.quant.reference import activate_reference  # noqa: E402
+
+
+def _same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _head_and_tail(inputs, lead, k0, k, dtype, device="cpu", tail_slice=False):
+    """Flux's ``proj_out`` operands and their ``cat``: ``head`` ``[*lead, k0]`` (the attention
+    output) a column slice of a wider tensor, its rows strided past their width; ``tail``
+    ``[*lead, k]`` (the MLP's pre-activation), contiguous or also a slice. The head's rows are
+    scaled from 1e-3x to 1e2x so that the row maximum lies in the head for some rows and in
+    GELU(tail) for others."""
+    rows = 1
+    for size in lead:
+        rows *= size
+    ramp = torch.logspace(-3.0, 2.0, rows, device=device).reshape(*lead, 1)
+    wide = (inputs.activations((*lead, k0 + 24), torch.float32, device) * ramp).to(dtype)
+    head = wide[..., 16:16 + k0]
+    tail = inputs.activations((*lead, k + 8 if tail_slice else k), dtype, device)
+    if tail_slice:
+        tail = tail[..., 8:]
+    cat = torch.cat([head, tail], -1)
+    head_max = head.float().abs().amax(-1)
+    tail_max = F.gelu(tail.float(), approximate="tanh").abs().amax(-1)
+    assert (head_max > tail_max).any() and (head_max < tail_max).any(), "both maxima sides covered"
+    return head, tail, cat
+
+
+_PREFIX_BACKENDS = [
+    pytest.param("torch", "int8", id="torch-int8"),
+    pytest.param("torch", "fp8", id="torch-fp8"),
+    pytest.param("triton", "int8", id="triton-int8", marks=needs_interpreter_or_gpu),
+    pytest.param("triton", "fp8", id="triton-fp8", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the Triton interpreter has no float8")),
+]
+
+
+@pytest.mark.parametrize("clamp", [None, 2.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend,qdtype", _PREFIX_BACKENDS)
+@pytest.mark.parametrize("lead,k0,k,tail_slice", [
+    pytest.param((3, 5), 24, 40, False, id="B3-S5-K0_24-K40"),
+    pytest.param((7,), 5, 37, True, id="M7-K0_5-K37-tail-slice"),
+])
+def test_activated_prefix_equals_materialized_cat(inputs, lead, k0, k, tail_slice, backend, qdtype, dtype,
+                                                  clamp):
+    """quantize_activated_per_token(tail, prefix=head) is the same backend on cat(head, tail) with
+    activation_from=K0, bit for bit (scale and every value), with the head read through its
+    strided rows; and (Triton) within one step of the float32 reference, rarely."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    head, tail, cat = _head_and_tail(inputs, lead, k0, k, dtype, device, tail_slice)
+    assert head.stride(-2) > k0 and not head.is_contiguous()
+    q, scale = quantize_activated_per_token(tail, qdtype, prefix=head, clamp=clamp, backend=backend)
+    q_cat, scale_cat = quantize_activated_per_token(cat, qdtype, activation_from=k0, clamp=clamp, backend=backend)
+    assert q.shape == (*lead, k0 + k) and scale.shape == (*lead, 1)
+    assert torch.equal(scale, scale_cat) and _same_bits(q, q_cat)
+    q_ref, scale_ref = quantize_activated_reference(cat.reshape(-1, k0 + k), q.dtype, "gelu_tanh", k0, clamp)
+    _assert_same_quantization(q.reshape(-1, k0 + k), scale.reshape(-1, 1), q_ref, scale_ref, max_code_diff=1,
+                              max_diff_fraction=0.01, scale_rtol=1e-6)
+
+
+@needs_interpreter_or_gpu
+@pytest.mark.parametrize("k0,k,clamp", [
+    pytest.param(24, 40, 2.5, id="K0_24-K40-one-chunk"),
+    pytest.param(2000, 2300, 0.0, id="K0_2000-K2300-prefix-in-chunk0"),
+    pytest.param(4100, 60, 0.0, id="K0_4100-K60-prefix-ends-in-chunk1"),
+])
+def test_activated_prefix_chunked_rows(inputs, k0, k, clamp):
+    """Rows past the register tile (forced small) go through 4096-wide chunks of cat(head, tail),
+    a chunk straddling the two sources: equal to the kernel on the materialized cat (chunked) and
+    to the prefix kernel's single-tile path; num_warps (a tuning knob) does not change values."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head, tail, cat = _head_and_tail(inputs, (3,), k0, k, torch.float32, device)
+    chunked = launch_quantize_activated_triton(tail, 0, clamp, torch.int8, prefix=head, max_tile=16)
+    cat_chunked = launch_quantize_activated_triton(cat, k0, clamp, torch.int8, max_tile=16)
+    tile = launch_quantize_activated_triton(tail, 0, clamp, torch.int8, prefix=head, num_warps=4)
+    for other in (cat_chunked, tile):
+        assert torch.equal(chunked[1], other[1]) and torch.equal(chunked[0], other[0])
+    q_ref, scale_ref = quantize_activated_reference(cat, torch.int8, "gelu_tanh", k0, clamp or None)
+    _assert_same_quantization(*chunked, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-6)
+
+
+def test_activated_prefix_bad_arguments():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match=r"prefix \[\.\.\., K0\] must have x's leading shape \(4,\); got \(5, 8\)"):
+        quantize_activated_per_token(x, "int8", prefix=torch.randn(5, 8), backend="torch")
+    with pytest.raises(ValueError, match=r"leading shape \(4,\); got \(4, 1, 8\)"):
+        quantize_activated_per_token(x, "int8", prefix=torch.randn(4, 1, 8), backend="torch")
+    with pytest.raises(ValueError, match=r"prefix must have x's dtype torch.float32; got torch.float16"):
+        quantize_activated_per_token(x, "int8", prefix=torch.randn(4, 8, dtype=torch.float16), backend="torch")
+    with pytest.raises(ValueError, match=r"prefix must be on x's device cpu; got meta"):
+        quantize_activated_per_token(x, "int8", prefix=torch.empty(4, 8, device="meta"), backend="torch")
+    with pytest.raises(ValueError, match=r"prefix must be None or a tensor \[\.\.\., K0\]; got list"):
+        quantize_activated_per_token(x, "int8", prefix=[[0.0] * 8] * 4, backend="torch")
+    with pytest.raises(ValueError, match=r"activation_from must be 0 with a prefix .*; got 3"):
+        quantize_activated_per_token(x, "int8", prefix=torch.randn(4, 8), activation_from=3, backend="torch")
+    with pytest.raises(ValueError, match=r"num_warps must be None or a power of two from 1 to 32; got 3"):
+        launch_quantize_activated_triton(x, 0, 0.0, torch.int8, prefix=torch.randn(4, 8), num_warps=3)
+
+
+def test_activated_prefix_empty_parts(inputs):
+    """An empty head is the plain activated quantization of the tail; an empty batch gives empty outputs."""
+    tail = inputs.activations((6, 40), torch.float32)
+    q, scale = quantize_activated_per_token(tail, "int8", prefix=tail[:, :0], backend="torch")
+    q_plain, scale_plain = quantize_activated_per_token(tail, "int8", backend="torch")
+    assert torch.equal(q, q_plain) and torch.equal(scale, scale_plain)
+    q, scale = quantize_activated_per_token(tail[:0], "int8", prefix=tail[:0, :8], backend="torch")
+    assert q.shape == (0, 48) and scale.shape == (0, 1)
+    if triton_interpreter_enabled() or torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tail = tail.to(device)
+        q, scale = quantize_activated_per_token(tail, "int8", prefix=tail[:, :0], backend="triton")
+        q_plain, scale_plain = quantize_activated_per_token(tail, "int8", backend="triton")
+        assert torch.equal(q, q_plain) and torch.equal(scale, scale_plain)
+
+
+@needs_interpreter_or_gpu
+def test_opcheck_activated_concat_op(inputs):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wide = inputs.activations((16, 64), torch.float32, device)
+    x = inputs.activations((16, 40), torch.float32, device)
+    for prefix in (wide[:, :24], wide[:, 8:32].contiguous()):
+        torch.library.opcheck(torch.ops.omni_kernels.quantize_activated_concat_triton,
+                              (prefix, x, 2.0, torch.int8), test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows,k0,k,head_slice", [
+    pytest.param(4608, 3072, 12288, False, id="flux-single-proj_out"),
+    pytest.param(4097, 3072, 12288, True, id="flux-M4097-head-slice"),
+    pytest.param(17, 3072, 20000, True, id="chunked-odd"),
+])
+def test_gpu_activated_prefix_matches_materialized_cat(inputs, rel_err, rows, k0, k, head_slice, dtype, qdtype):
+    """At Flux's single-block proj_out width (3072 attention + 12288 MLP columns): the prefix
+    kernel equals the kernel on the materialized cat bit for bit, and its dequantized output is
+    as close to the float32 activated cat as the float32 reference quantization is."""
+    _require_fp8(qdtype)
+    if head_slice:
+        head = inputs.activations((rows, k0 + 64), dtype, "cuda")[:, 64:]
+    else:
+        head = inputs.activations((rows, k0), dtype, "cuda")
+    tail = inputs.activations((rows, k), dtype, "cuda")
+    _poison_cuda_allocator(2 * rows * (k0 + k))
+    q, scale = quantize_activated_per_token(tail, qdtype, prefix=head, backend="triton")
+    torch.cuda.synchronize()
+    cat = torch.cat([head, tail], -1)
+    _poison_cuda_allocator(2 * rows * (k0 + k))
+    q_cat, scale_cat = quantize_activated_per_token(cat, qdtype, activation_from=k0, backend="triton")
+    torch.cuda.synchronize()
+    assert torch.isfinite(scale).all() and not torch.isnan(q.float()).any()
+    assert torch.equal(scale, scale_cat) and _same_bits(q, q_cat)
+    y = activate_reference(cat, "gelu_tanh", k0)
+    q_ref, scale_ref = quantize_activated_reference(cat, q.dtype, "gelu_tanh", k0)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-5)
+    err, err_ref = rel_err(dequantize(q, scale), y), rel_err(dequantize(q_ref, scale_ref), y)
+    assert err <= 1.01 * err_ref + 1e-6, f"relative error {err:.4e} vs the reference quantization's {err_ref:.4e}"
+
+
+@pytest.mark.gpu
+def test_gpu_activated_prefix_op_under_inductor(inputs):
+    """Inductor launches the concat triton_op's kernel itself, the head a column slice of a wider
+    tensor inside the compiled graph (its row stride must reach the kernel): same as eager."""
+    _require_fp8("fp8")
+    wide = inputs.activations((4608, 3072 + 128), torch.bfloat16, "cuda")
+    tail = inputs.activations((4608, 12288), torch.bfloat16, "cuda")
+
+    def quantize(wide, tail):
+        return quantize_activated_per_token(tail, "fp8", prefix=wide[:, 64:64 + 3072])
+
+    eager = quantize(wide, tail)
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize, fullgraph=True)(wide, tail)
+    torch._dynamo.reset()
+    assert torch.equal(compiled[1], eager[1]) and _same_bits(compiled[0], eager[0])

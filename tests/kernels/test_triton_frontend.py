@@ -20,19 +20,21 @@ import pytest
 triton = pytest.importorskip("triton")
 
 _QUANT_CONSTANTS = dict(QMAX=448.0, IS_INT8=False, MIN_AMAX=1e-12, USE_LIBDEVICE=True)
-_ACTIVATED_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "activation_from": "i32",
-                   "x_row_stride": "i32", "q_row_stride": "i32", "clamp_val": "fp32"}
+_ACTIVATED_ARGS = {"x_ptr": "*bf16", "p_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32",
+                   "prefix_width": "i32", "activation_from": "i32", "x_row_stride": "i32", "p_row_stride": "i32",
+                   "q_row_stride": "i32", "clamp_val": "fp32"}
 _PER_TOKEN_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
                    "ms_ptr": "*bf16", "mt_ptr": "*bf16", "K": "i32", "x_row_stride": "i32", "q_row_stride": "i32",
                    "mod_row_stride": "i32", "rows_per_group": "i32", "eps": "fp32", "clamp_val": "fp32"}
 
+# activated_concat: the prefix read through its own pointer (Flux's proj_out input without its cat).
 CASES = {
-    f"activated-{q}-{'tile' if tile else 'chunked'}": (
+    f"activated{'_concat' if prefix else ''}-{q}-{'tile' if tile else 'chunked'}": (
         "omni_kernels.quant.activated_triton_kernel", "_quantize_activated_kernel",
         {**_ACTIVATED_ARGS, "q_ptr": "*i8" if q == "int8" else "*fp8e4nv"},
         dict(_QUANT_CONSTANTS, IS_INT8=q == "int8", QMAX=127.0 if q == "int8" else 448.0, HAS_CLAMP=True,
-             BLOCK_K=16384 if tile else 4096, SINGLE_TILE=tile))
-    for q in ("fp8", "int8") for tile in (True, False)
+             HAS_PREFIX=prefix, BLOCK_P=4096 if prefix else 16, BLOCK_K=16384 if tile else 4096, SINGLE_TILE=tile))
+    for prefix in (False, True) for q in ("fp8", "int8") for tile in (True, False)
 }
 CASES.update({
     f"per_token-norm{norm}-{'tile' if tile else 'chunked'}": (
