@@ -292,7 +292,13 @@ def _module_device(module: nn.Module) -> torch.device | None:
 
 def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
     try:
-        from omni_diffusion.quantization import QuantConfig, quantize, unfuse_projections
+        from omni_diffusion.quantization import (
+            QuantConfig,
+            forget_folded_activations,
+            quantize,
+            remove_concat_free_forwards,
+            unfuse_projections,
+        )
     except ImportError as exc:
         raise ImportError(
             f"quant={config.quant!r} needs omni_diffusion.quantization, which does not import: {exc}"
@@ -339,12 +345,14 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
                 t.data = t.data.to("cpu")
 
     def undo() -> None:
+        remove_concat_free_forwards(transformer)
         for t, device in moved:
             t.data = t.data.to(device)
         for parent, n, old in swapped:
             setattr(parent, n, old)
         # the separate q/k/v are back: drop the fused layers, restore flags and processors
         unfuse_projections(transformer)
+        forget_folded_activations(transformer)
 
     return undo
 

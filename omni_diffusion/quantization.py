@@ -72,10 +72,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 import json
 import logging
 import math
 import os
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +109,8 @@ _METADATA_FUSED_KEY = "omni_quant_fused_attention"
 _METADATA_ACTIVATIONS_KEY = "omni_quant_fused_activations"
 # Where quantize() records the GELUs it folded into their consumers (module.__dict__).
 _ACTIVATION_RECORD_ATTR = "_omni_fused_activations"
+# Where it records the owners given a concat-free forward: [(name, function)] (module.__dict__).
+_CONCAT_FREE_RECORD_ATTR = "_omni_concat_free_forwards"
 # The projections diffusers' fuse_projections() merges: fused layer, then its members in output order.
 _FUSED_PROJECTIONS = (
     ("to_qkv", ("to_q", "to_k", "to_v")),
@@ -399,6 +403,9 @@ class _FusedAttention:
     processor: Any  # the processor before fusion
     own_flag: bool  # whether ``fused_projections`` was an instance attribute before
     flag: Any
+    # attn's submodule names in their order before fusion: unfusing puts the order back,
+    # so named_modules() and state_dict() list them as before
+    module_order: tuple[str, ...] = ()
 
 
 def _resolve_adapter(module: nn.Module, adapter: ModelAdapter | None) -> ModelAdapter | None:
@@ -482,7 +489,7 @@ def _fuse_attention(module: nn.Module, name: str,
             f"{type(getattr(attn, 'processor', None)).__name__}): {why}"
         )
     record = _FusedAttention(name, attn.processor, "fused_projections" in attn.__dict__,
-                             attn.__dict__.get("fused_projections"))
+                             attn.__dict__.get("fused_projections"), tuple(attn._modules))
     with torch.no_grad():
         attn.fuse_projections()
     removed = {}
@@ -503,6 +510,10 @@ def _unfuse_attention(module: nn.Module, record: _FusedAttention,
         setattr(attn, member, layer)
     for fused, _ in _FUSED_PROJECTIONS:
         attn._modules.pop(fused, None)
+    position = {child: i for i, child in enumerate(record.module_order)}
+    children = sorted(attn._modules.items(), key=lambda item: position.get(item[0], len(position)))
+    attn._modules.clear()
+    attn._modules.update(children)
     if record.own_flag:
         attn.fused_projections = record.flag
     else:
@@ -655,6 +666,70 @@ def _record_activations(module: nn.Module, sites: list[_ActivationSite]) -> None
         module.__dict__[_ACTIVATION_RECORD_ATTR] = [*module.__dict__.get(_ACTIVATION_RECORD_ATTR, []), *sites]
 
 
+def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None) -> list[str]:
+    """Give each owner of a folded, concatenated GELU its adapter's ``concat_free_forward``.
+
+    For every :class:`~omni_diffusion.adapters.base.ActivationFusion` of ``adapter`` with
+    one, each module of its owner class whose consumer is a :class:`QuantizedLinear`
+    applying the GELU from exactly the column where ``concatenated_after``'s output
+    starts gets that function as its instance ``forward`` (so its consumer reads the two
+    inputs apart: no 16-bit ``cat``). Skipped, with a debug log: an owner that already
+    has an instance ``forward`` (someone else's wrapper), or whose class ``forward`` takes
+    other parameters than the function (a diffusers version it was not written for).
+    Returns the owners' names; :func:`remove_concat_free_forwards` undoes it.
+    """
+    if adapter is None:
+        return []
+    installed: list[tuple[str, Any]] = []
+    for fusion in adapter.activation_fusions:
+        function = fusion.concat_free_forward
+        if function is None or fusion.concatenated_after is None:
+            continue
+        wanted = list(inspect.signature(function).parameters)[1:]
+        for name, owner in module.named_modules():
+            if fusion.owner_class not in {cls.__name__ for cls in type(owner).__mro__}:
+                continue
+            try:
+                consumer = owner.get_submodule(fusion.consumer)
+                source = owner.get_submodule(fusion.concatenated_after)
+            except AttributeError:
+                continue
+            head = consumer.in_features - getattr(source, "out_features", consumer.in_features)
+            why = (
+                "its consumer does not apply the folded GELU after the other input"
+                if not isinstance(consumer, QuantizedLinear) or consumer.input_activation is None
+                or consumer.activation_from != head else
+                "it already has an instance forward" if "forward" in owner.__dict__ else
+                f"its forward takes {list(inspect.signature(type(owner).forward).parameters)[1:]}, "
+                f"not {wanted}" if list(inspect.signature(type(owner).forward).parameters)[1:] != wanted else
+                None
+            )
+            if why is not None:
+                logger.debug("quantize: %s keeps its forward (and its cat): %s", name, why)
+                continue
+            owner.forward = types.MethodType(function, owner)
+            installed.append((name, function))
+    if installed:
+        module.__dict__[_CONCAT_FREE_RECORD_ATTR] = [*module.__dict__.get(_CONCAT_FREE_RECORD_ATTR, []), *installed]
+    return [name for name, _ in installed]
+
+
+def remove_concat_free_forwards(module: nn.Module) -> None:
+    """Undo :func:`install_concat_free_forwards`: the owners' class ``forward`` again (an
+    instance ``forward`` that is no longer the installed one is left alone)."""
+    for name, function in module.__dict__.pop(_CONCAT_FREE_RECORD_ATTR, []):
+        owner = module.get_submodule(name)
+        current = owner.__dict__.get("forward")
+        if getattr(current, "__func__", None) is function and getattr(current, "__self__", None) is owner:
+            del owner.__dict__["forward"]
+
+
+def forget_folded_activations(module: nn.Module) -> None:
+    """Drop ``module``'s record of folded GELUs, once the caller has put the GELU modules
+    and their full-precision consumers back (``accelerate()``'s undo)."""
+    module.__dict__.pop(_ACTIVATION_RECORD_ATTR, None)
+
+
 def fused_activations(module: nn.Module) -> dict[str, dict[str, Any]]:
     """``{consumer: {"activation": name, "activation_from": column}}`` of the GELUs
     :func:`quantize` (or :func:`load_quantized`) folded into quantized layers of ``module``."""
@@ -742,6 +817,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
             _fold_activation(module, site)
         _record_activations(module, sites)
         folded = sites
+        install_concat_free_forwards(module, adapter)
     kept = [p for p in plans if p.action == "keep"]
     logger.info(
         "quantize: %s: %d of %d linear layers to %s%s%s; %d kept in full precision%s",
@@ -883,6 +959,8 @@ def load_quantized(
         except AttributeError:
             raise ValueError(f"{path} folds {site.activation} into {site.consumer}, which {model} does not have") from None
     _record_activations(module, sites)
+    if sites:
+        install_concat_free_forwards(module, _resolve_adapter(module, adapter))
 
     state = load_file(path, device=str(device))
     result = module.load_state_dict(state, strict=False, assign=True)

@@ -61,6 +61,12 @@ class ActivationFusion:
             layer (Flux's single blocks: ``proj_out(cat(attn, GELU(proj_mlp(x))))``).
         passthrough: attribute paths of modules between the activation and the
             consumer, each an ``nn.Dropout`` or ``nn.Identity`` (identities at inference).
+        concat_free_forward: with ``concatenated_after``, optionally the owner's
+            forward (a function of ``(self, *its arguments)``, the same signature as the
+            owner class's ``forward``) that hands the consumer its two inputs apart,
+            ``consumer.forward_concat(other, activation_input)``, instead of
+            materializing their 16-bit ``cat``. Quantization installs it as the instance
+            ``forward`` of each owner whose GELU it folded, and removes it on undo.
     """
 
     owner_class: str
@@ -68,6 +74,7 @@ class ActivationFusion:
     consumer: str
     concatenated_after: str | None = None
     passthrough: tuple[str, ...] = ()
+    concat_free_forward: Callable[..., Any] | None = None
 
 
 #: diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"``: ``net = [GELU(proj), Dropout, Linear]``

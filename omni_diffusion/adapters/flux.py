@@ -51,6 +51,33 @@ _FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
+def single_block_forward_concat_free(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxSingleTransformerBlock.forward`` (diffusers >= 0.35, both streams in and out) with
+    ``proj_out`` given the attention output and the MLP's input apart
+    (``proj_out.forward_concat``): under W8A8 with the GELU folded, the 16-bit
+    ``cat([attention, mlp], -1)`` (``[B, S, 3072 + 12288]`` at Flux.1 widths) is never written.
+
+    ``hidden_states`` ``[B, S_img, D]``, ``encoder_hidden_states`` ``[B, S_txt, D]``, ``temb``
+    ``[B, D]``; returns ``(encoder_hidden_states, hidden_states)`` of those shapes.
+    """
+    text_len = encoder_hidden_states.shape[1]
+    joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    normed, gate = self.norm(joint, emb=temb)
+    mlp_input = self.act_mlp(self.proj_mlp(normed))  # the folded GELU is an identity here
+    attention = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    joint = joint + gate.unsqueeze(1) * self.proj_out.forward_concat(attention, mlp_input)
+    if joint.dtype == torch.float16:
+        joint = joint.clip(-65504, 65504)
+    return joint[:, :text_len], joint[:, text_len:]
+
+
 @register_adapter
 class FluxAdapter(ModelAdapter):
     name = "flux"
@@ -84,7 +111,7 @@ class FluxAdapter(ModelAdapter):
     activation_fusions = (
         FEED_FORWARD_GELU,
         ActivationFusion("FluxSingleTransformerBlock", activation="act_mlp", consumer="proj_out",
-                         concatenated_after="proj_mlp"),
+                         concatenated_after="proj_mlp", concat_free_forward=single_block_forward_concat_free),
     )
     fusable_attention = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
     cache_disabling_kwargs = ("controlnet_block_samples", "controlnet_single_block_samples")

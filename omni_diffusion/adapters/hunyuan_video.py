@@ -64,6 +64,38 @@ HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS = (
 )
 
 
+def single_block_forward_concat_free(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoSingleTransformerBlock.forward`` with ``proj_out`` given the attention
+    output and the MLP's input apart (``proj_out.forward_concat``): under W8A8 with the GELU
+    folded, the 16-bit ``cat([attention, mlp], -1)`` is never written.
+
+    ``hidden_states`` ``[B, S_video, D]``, ``encoder_hidden_states`` ``[B, S_txt, D]`` (text
+    after video here), ``temb`` ``[B, D]``; returns ``(hidden_states, encoder_hidden_states)``.
+    """
+    text_len = encoder_hidden_states.shape[1]
+    joint = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    normed, gate = self.norm(joint, emb=temb)
+    mlp_input = self.act_mlp(self.proj_mlp(normed))  # the folded GELU is an identity here
+    video_attention, text_attention = self.attn(
+        hidden_states=normed[:, :-text_len, :],
+        encoder_hidden_states=normed[:, -text_len:, :],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attention = torch.cat([video_attention, text_attention], dim=1)
+    joint = gate.unsqueeze(1) * self.proj_out.forward_concat(attention, mlp_input) + joint
+    return joint[:, :-text_len, :], joint[:, -text_len:, :]
+
+
 @register_adapter
 class HunyuanVideoAdapter(ModelAdapter):
     name = "hunyuan_video"
@@ -108,7 +140,7 @@ class HunyuanVideoAdapter(ModelAdapter):
     activation_fusions = (
         FEED_FORWARD_GELU,
         ActivationFusion("HunyuanVideoSingleTransformerBlock", activation="act_mlp", consumer="proj_out",
-                         concatenated_after="proj_mlp"),
+                         concatenated_after="proj_mlp", concat_free_forward=single_block_forward_concat_free),
     )
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:

@@ -190,6 +190,7 @@ def _snapshot(pipe):
             fused=[(name, m.__dict__.get("fused_projections", "unset"))
                    for name, m in transformer.named_modules() if hasattr(m, "processor")],
             compiled=[(name, m._compiled_call_impl) for name, m in transformer.named_modules()],
+            forwards=[(name, m.__dict__.get("forward")) for name, m in transformer.named_modules()],
             dict=set(transformer.__dict__),
             hooks=(len(transformer._forward_hooks), len(transformer._forward_pre_hooks)),
         )
@@ -236,6 +237,9 @@ def test_undo_restores_everything(name):
             from omni_diffusion.quantization import fused_activations
 
             assert fused_activations(pipe.transformer)
+            # Flux's single blocks read attention and MLP apart (an instance forward, removed on undo)
+            singles = getattr(pipe.transformer, "single_transformer_blocks", [])
+            assert all("forward" in block.__dict__ for block in singles)
         fam.run(steps=2)
     finally:
         od.undo(pipe)

@@ -639,6 +639,65 @@ def test_gelus_folded_into_their_consumers(family):
         assert _rel(_run(model, inputs), _run(unfolded, inputs)) <= 1e-2
 
 
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
+def test_single_blocks_read_attention_and_mlp_apart(family, monkeypatch):
+    """The adapters' concat-free single-block forward: installed on every single block whose
+    GELU is folded, it hands proj_out the attention output and the MLP input apart (no cat of
+    the two is built on the kernel path), with the class forward's numbers exactly; removed,
+    the class forward is back."""
+    model, inputs = FOLD_MODELS[family]()
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    singles = [m for m in model.modules() if type(m).__name__.endswith("SingleTransformerBlock")]
+    assert singles and all("forward" in m.__dict__ for m in singles)
+    assert all(type(m).__name__ != type(singles[0]).__name__ or "forward" not in m.__dict__
+               for m in model.modules() if m not in singles)
+    calls = []
+    for block in singles:
+        original = block.proj_out.forward_concat
+        monkeypatch.setattr(block.proj_out, "forward_concat",
+                            lambda head, tail, _f=original: calls.append(head.shape[-1]) or _f(head, tail))
+    installed = _run(model, inputs)
+    assert calls == [block.proj_out.activation_from for block in singles]
+    Q.remove_concat_free_forwards(model)
+    assert not any("forward" in m.__dict__ for m in singles)
+    assert torch.equal(installed, _run(model, inputs))
+    if quant_dispatch.triton_interpreter_enabled():  # the two-input kernel against the kernel on the cat
+        for layer in model.modules():
+            if isinstance(layer, QuantizedLinear):
+                layer.activation_backend = "triton"
+        with_cat = _run(model, inputs)
+        Q.install_concat_free_forwards(model, None)  # no adapter: nothing installed
+        assert not any("forward" in m.__dict__ for m in singles)
+        from omni_diffusion.adapters import adapter_for_transformer
+
+        assert len(Q.install_concat_free_forwards(model, adapter_for_transformer(model))) == len(singles)
+        assert torch.equal(_run(model, inputs), with_cat)
+
+
+def test_concat_free_forward_left_out_where_it_does_not_fit():
+    """No fold (weight-only), a block with an instance forward of its own, or a block class
+    whose forward takes other parameters keeps its forward."""
+    model, _ = _tiny_flux()
+    quantize(model, QuantConfig(method="int8_weight_only", **CPU_OPTIONS))
+    assert not any("forward" in m.__dict__ for m in model.single_transformer_blocks)
+    model, _ = _tiny_hunyuan_video()
+    first, second = model.single_transformer_blocks
+    own = first.forward
+    first.forward = own
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    assert first.__dict__["forward"] is own and "forward" in second.__dict__
+
+    class OtherSingleBlock(type(second)):
+        def forward(self, hidden_states, temb, image_rotary_emb=None):
+            raise AssertionError("not called")
+
+    model, _ = _tiny_hunyuan_video()
+    first, second = model.single_transformer_blocks
+    second.__class__ = OtherSingleBlock
+    quantize(model, QuantConfig(method="int8", **CPU_OPTIONS))
+    assert "forward" in first.__dict__ and "forward" not in second.__dict__
+
+
 def test_fold_needs_a_w8a8_consumer_and_a_tanh_gelu():
     """Weight-only methods fold nothing (no activation quantization to fuse into); a consumer
     kept in full precision or an exact (erf) GELU is left as it is."""
