@@ -249,6 +249,8 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
             transformer.__dict__.pop, _OWNER_ATTR, None)))
         if config.quant is not None:
             state.undos.append((f"{name} quantization", _apply_quant(transformer, adapter, config)))
+        if _wants_fused_norm_rope(name, transformer, adapter, config):
+            state.undos.append((f"{name} fused norm+RoPE", adapter.apply_fused_norm_rope(transformer)))
         if config.attention is not None:
             backend = None if config.attention == ATTENTION_AUTO else config.attention
             state.undos.append((f"{name} attention", adapter.apply_attention(transformer, backend)))
@@ -282,6 +284,18 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
     if (config.cache is not None or state.progress is not None or state.prompt_stage is not None) \
             and not isinstance(pipe, nn.Module):
         state.undos.append(("pipeline __call__", _wrap_call(pipe, state)))
+
+
+def _wants_fused_norm_rope(name: str, transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig) -> bool:
+    """``config.fused_norm_rope`` resolved: None is on where the family has the processor and
+    ``transformer`` is on CUDA (omni's kernels; elsewhere they fall back to torch ops)."""
+    if config.fused_norm_rope is not None:
+        return config.fused_norm_rope  # True on a family without one raises in apply_fused_norm_rope
+    device = _module_device(transformer)
+    chosen = adapter.has_fused_norm_rope and device is not None and device.type == "cuda"
+    logger.info("accelerate: fused_norm_rope=auto -> %s for %s (%s adapter%s, on %s)", chosen, name, adapter.name,
+                "" if adapter.has_fused_norm_rope else " has no fused processor", device)
+    return chosen
 
 
 def _module_device(module: nn.Module) -> torch.device | None:

@@ -186,6 +186,11 @@ class AccelConfig:
         compile_dynamic: passed to ``torch.compile`` (None: torch decides).
         cuda_graphs: capture the compiled blocks as CUDA graphs (compile mode
             ``"reduce-overhead"``); needs ``compile`` and a CUDA pipeline.
+        fused_norm_rope: run each attention's QK RMSNorm and rotary embedding as one
+            omni kernel (the family's adapter provides the processor; Flux). None
+            (default): on where the family has one and the transformer is on a CUDA
+            device (logged); True: required (an error for a family without one);
+            False: diffusers' own norms and RoPE.
         prompt_encoder: None, or an
             :class:`omni_diffusion.ar.config.PromptEncoderConfig` (or a dict of its
             fields, or an exported model folder): run the pipeline's LLM text
@@ -211,6 +216,7 @@ class AccelConfig:
     compile_fullgraph: bool | None = None
     compile_dynamic: bool | None = None
     cuda_graphs: bool = False
+    fused_norm_rope: bool | None = None
     prompt_encoder: Any = None
     prompt_enhancer: Any = None
     parallel: Any = None
@@ -294,6 +300,8 @@ class AccelConfig:
             object.__setattr__(self, "parallel", parallel if parallel.enabled else None)
         if not isinstance(self.cuda_graphs, bool):
             raise _bad(name, "cuda_graphs", self.cuda_graphs, "True or False")
+        if self.fused_norm_rope is not None and not isinstance(self.fused_norm_rope, bool):
+            raise _bad(name, "fused_norm_rope", self.fused_norm_rope, "None (auto), True or False")
         if self.cuda_graphs and not self.compile:
             raise _bad(name, "cuda_graphs", True, "True only with compile=True/'regional'")
         if self.cuda_graphs and self.compile_mode not in (None, "reduce-overhead"):
@@ -402,6 +410,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--compile-fullgraph", type=_on_off_auto, default=None, metavar="auto|on|off")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA graphs for the compiled blocks (implies mode reduce-overhead)")
+    g.add_argument("--fused-norm-rope", type=_on_off_auto, default=None, metavar="auto|on|off",
+                   help="QK RMSNorm + rotary embedding as one omni kernel (auto: on for families "
+                        "with one, on CUDA)")
     g.add_argument("--prompt-encoder", default=None, type=_none_or, metavar="auto|FOLDER",
                    help="run the pipeline's LLM text encoder in vLLM: 'auto' exports the "
                         "pipeline's own, or a folder written by omni_diffusion.ar.export")
@@ -461,6 +472,7 @@ def from_cli_args(args: argparse.Namespace) -> AccelConfig:
         compile_mode=args.compile_mode,
         compile_fullgraph=args.compile_fullgraph,
         cuda_graphs=bool(args.cuda_graphs),
+        fused_norm_rope=getattr(args, "fused_norm_rope", None),
     )
 
 

@@ -456,6 +456,48 @@ class ModelAdapter:
 
         return undo
 
+    def fused_norm_rope_processor(self, module: nn.Module) -> Any:
+        """A processor for attention module ``module`` that runs its QK norm and rotary
+        embedding as one omni kernel (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`),
+        taking over ``_attention_backend`` and ``_parallel_config`` from the current one; or
+        None to leave ``module`` as it is (the default: the family has no such processor)."""
+        return None
+
+    @property
+    def has_fused_norm_rope(self) -> bool:
+        """Whether the family overrides :meth:`fused_norm_rope_processor`."""
+        return type(self).fused_norm_rope_processor is not ModelAdapter.fused_norm_rope_processor
+
+    def apply_fused_norm_rope(self, transformer: nn.Module) -> Undo:
+        """Give every attention module of ``transformer`` that :meth:`fused_norm_rope_processor`
+        covers that processor; returns the undo (the previous processors back).
+
+        Raises:
+            ValueError: the family has no such processor, or no module of ``transformer`` took it.
+        """
+        if not self.has_fused_norm_rope:
+            raise ValueError(
+                f"fused_norm_rope: the {self.name} adapter has no fused QK-norm + RoPE attention processor "
+                f"(families with one: see omni_diffusion.adapters, e.g. flux)"
+            )
+        replaced: list[tuple[nn.Module, Any]] = []
+        for module in transformer.modules():
+            processor = self.fused_norm_rope_processor(module) if hasattr(module, "processor") else None
+            if processor is not None:
+                replaced.append((module, module.processor))
+                module.set_processor(processor)
+        if not replaced:
+            raise ValueError(
+                f"fused_norm_rope: no attention module of {type(transformer).__name__} has a processor the "
+                f"{self.name} adapter can replace"
+            )
+
+        def undo() -> None:
+            for module, previous in reversed(replaced):
+                module.set_processor(previous)
+
+        return undo
+
     def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
         """Make attention module ``module`` run its attention through ``parallel``
         (a :class:`omni_diffusion.parallel.usp.SequenceParallelAttention`).

@@ -51,6 +51,88 @@ _FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
+def _rms_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, float] | None:
+    """``(weight or None, eps)`` of diffusers' ``RMSNorm``; None for any other module."""
+    if type(norm).__name__ != "RMSNorm" or not hasattr(norm, "eps"):
+        return None
+    return getattr(norm, "weight", None), float(norm.eps)
+
+
+def _flux_fused_norm_rope_processor_class() -> type:
+    """diffusers' ``FluxAttnProcessor`` with its QK RMSNorm and rotary embedding as one omni
+    kernel (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`) per stream. Built on first use:
+    diffusers is imported only then."""
+    global _FUSED_NORM_ROPE_PROCESSOR
+    if _FUSED_NORM_ROPE_PROCESSOR is not None:
+        return _FUSED_NORM_ROPE_PROCESSOR
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+
+    from omni_kernels.qk_norm_rope import qk_rmsnorm_rope
+
+    class FluxAttnProcessorFusedNormRope(FluxAttnProcessor):
+        """``FluxAttnProcessor`` whose ``norm_q``/``norm_k`` (and the dual-stream blocks'
+        ``norm_added_q``/``norm_added_k``) and rotary embedding run as one omni kernel per
+        stream, writing straight into the joint ``[B, S_txt + S_img, H, D]`` query and key
+        (diffusers: four norm and two RoPE passes plus a cat; eager RoPE alone is ~10 small
+        kernels). The projections, the attention call (same ``_attention_backend`` and
+        ``_parallel_config``) and the output projections are diffusers' own. Calls it does
+        not cover (no rotary table, norms that are not RMSNorm) go to diffusers' ``__call__``.
+        """
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            norms = [_rms_norm_params(attn.norm_q), _rms_norm_params(attn.norm_k)]
+            dual = attn.added_kv_proj_dim is not None
+            if dual:
+                norms += [_rms_norm_params(attn.norm_added_q), _rms_norm_params(attn.norm_added_k)]
+            if image_rotary_emb is None or any(n is None for n in norms) or len({n[1] for n in norms}) != 1:
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                        image_rotary_emb)
+            eps = norms[0][1]
+            cos, sin = image_rotary_emb
+            query, key, value, text_query, text_key, text_value = _get_qkv_projections(
+                attn, hidden_states, encoder_hidden_states)
+            query = query.unflatten(-1, (-1, attn.head_dim))
+            key = key.unflatten(-1, (-1, attn.head_dim))
+            value = value.unflatten(-1, (-1, attn.head_dim))
+            if not dual:
+                query, key = qk_rmsnorm_rope(query, key, norms[0][0], norms[1][0], cos, sin, eps=eps)
+            else:
+                text_query = text_query.unflatten(-1, (-1, attn.head_dim))
+                text_key = text_key.unflatten(-1, (-1, attn.head_dim))
+                text_value = text_value.unflatten(-1, (-1, attn.head_dim))
+                batch, text_len, heads, head_dim = text_query.shape
+                joint_len = text_len + query.shape[1]
+                joint_query = query.new_empty(batch, joint_len, heads, head_dim)
+                joint_key = key.new_empty(batch, joint_len, key.shape[2], head_dim)
+                cos, sin = cos.reshape(joint_len, head_dim), sin.reshape(joint_len, head_dim)
+                # text tokens first, as diffusers concatenates them; each stream its own norm weights
+                qk_rmsnorm_rope(text_query, text_key, norms[2][0], norms[3][0], cos[:text_len], sin[:text_len],
+                                eps=eps, q_out=joint_query[:, :text_len], k_out=joint_key[:, :text_len])
+                qk_rmsnorm_rope(query, key, norms[0][0], norms[1][0], cos[text_len:], sin[text_len:],
+                                eps=eps, q_out=joint_query[:, text_len:], k_out=joint_key[:, text_len:])
+                query, key = joint_query, joint_key
+                value = torch.cat([text_value, value], dim=1)
+            hidden_states = dispatch_attention_fn(
+                query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+            if encoder_hidden_states is None:
+                return hidden_states
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+            return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+
+    _FUSED_NORM_ROPE_PROCESSOR = FluxAttnProcessorFusedNormRope
+    return _FUSED_NORM_ROPE_PROCESSOR
+
+
+_FUSED_NORM_ROPE_PROCESSOR: type | None = None
+
+
 def single_block_forward_concat_free(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -126,6 +208,16 @@ class FluxAdapter(ModelAdapter):
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
         inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         return [inner, linear.in_features - inner]
+
+    def fused_norm_rope_processor(self, module: nn.Module) -> Any:
+        processor = getattr(module, "processor", None)
+        if type(processor).__name__ != "FluxAttnProcessor":  # IP-adapter processors keep theirs
+            return None
+        fused = _flux_fused_norm_rope_processor_class()()
+        for attr in ("_attention_backend", "_parallel_config"):
+            if attr in getattr(processor, "__dict__", {}):
+                setattr(fused, attr, getattr(processor, attr))
+        return fused
 
     def fused_attention_processor(self, module: nn.Module) -> Any:
         processor = getattr(module, "processor", None)
