@@ -33,6 +33,9 @@ Variants (each applied to the same model and undone before the next):
     (the (d) of earlier runs); (d3) vs (d) is the gain of the folded GELU.
 (d4) ``omni_fp8_cuda_graphs`` (only when asked for with ``--variants``): (d) with the compiled
     blocks captured as CUDA graphs (``cuda_graphs=True``, compile mode ``reduce-overhead``).
+(d5) ``omni_fp8_diffusers_norm_rope`` (only when asked for with ``--variants``): (d) with
+    ``fused_norm_rope=False``: diffusers' QK RMSNorm and RoPE (compiled by Inductor) instead of
+    omni's fused kernel; (d5) vs (d) is the gain of the fused processor (Flux).
 (d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
     activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
     Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
@@ -89,9 +92,11 @@ if str(REPO_ROOT) not in sys.path:
 from bench._environment import base_environment, device_slug  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
-            "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_sage", "fp8_sageattention")
+            "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope", "omni_fp8_sage",
+            "fp8_sageattention")
 # Activation-quantization and launch experiments, run only when --variants names them.
-_OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs")
+_OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
+                    "omni_fp8_diffusers_norm_rope")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -106,6 +111,7 @@ VARIANT_LABELS = {
     "omni_fp8_split_quant": "(d2) (d), activation quantization as omni's kernel op for K > 8192 only",
     "omni_fp8_unfolded": "(d3) (d), MLP GELUs not folded into the quantization",
     "omni_fp8_cuda_graphs": "(d4) (d) + CUDA graphs",
+    "omni_fp8_diffusers_norm_rope": "(d5) (d), diffusers' QK norm + RoPE instead of omni's fused kernel",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
 }
@@ -303,6 +309,8 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         if variant == "omni_fp8_unfolded":
             options["fuse_activations"] = False
         graphs = {}
+        if variant == "omni_fp8_diffusers_norm_rope":
+            graphs["fused_norm_rope"] = False
         if variant == "omni_fp8_cuda_graphs":
             if device.type != "cuda":
                 raise Skip("CUDA graphs need a CUDA device")
