@@ -187,7 +187,7 @@ class AccelConfig:
         cuda_graphs: capture the compiled blocks as CUDA graphs (compile mode
             ``"reduce-overhead"``); needs ``compile`` and a CUDA pipeline.
         fused_norm_rope: run each attention's QK RMSNorm and rotary embedding as one
-            omni kernel (the family's adapter provides the processor; Flux). None
+            omni kernel (the family's adapter provides the processor: Flux, Wan...). None
             (default): on where the family has one and the transformer is on a CUDA
             device (logged); True: required (an error for a family without one);
             False: diffusers' own norms and RoPE.

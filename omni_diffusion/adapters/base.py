@@ -547,6 +547,29 @@ class ModelAdapter:
         )
 
 
+def replacement_processor(module: nn.Module, class_name: str, build: Callable[[], Any]) -> Any:
+    """``build()``, a processor to replace ``module``'s when that is exactly a ``class_name``
+    (subclasses such as IP-adapter processors keep theirs), carrying over the instance's
+    ``_attention_backend`` and ``_parallel_config`` (diffusers' dispatcher settings); else None."""
+    processor = getattr(module, "processor", None)
+    if type(processor).__name__ != class_name:
+        return None
+    new = build()
+    for attr in ("_attention_backend", "_parallel_config"):
+        if attr in getattr(processor, "__dict__", {}):
+            setattr(new, attr, getattr(processor, attr))
+    return new
+
+
+def rms_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, float] | None:
+    """``(weight or None, eps)`` of an RMSNorm (diffusers' or ``torch.nn.RMSNorm`` with an
+    explicit ``eps``), for a fused kernel to apply; None for any other module, including
+    tensor parallelism's ``ShardedRMSNorm`` (its mean square spans ranks)."""
+    if type(norm).__name__ != "RMSNorm" or getattr(norm, "eps", None) is None:
+        return None
+    return getattr(norm, "weight", None), float(norm.eps)
+
+
 def modulated_norm_input(norm: nn.Module, call: BlockCall, hidden_arg: str = "hidden_states",
                          temb_arg: str = "temb") -> torch.Tensor:
     """``norm(hidden, emb=temb)[0]``: an AdaLayerNormZero-style block input norm."""
@@ -564,4 +587,6 @@ __all__ = [
     "TensorParallelPlan",
     "block_call",
     "modulated_norm_input",
+    "replacement_processor",
+    "rms_norm_params",
 ]

@@ -41,6 +41,8 @@ from omni_diffusion.adapters.base import (
     SequenceLayout,
     SequenceParallelPlan,
     modulated_norm_input,
+    replacement_processor,
+    rms_norm_params,
 )
 
 #: diffusers' Flux processors that take their projections through ``_get_qkv_projections``,
@@ -49,13 +51,6 @@ _FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 
 #: TeaCache4FLUX (FLUX.1-dev), highest power first
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
-
-
-def _rms_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, float] | None:
-    """``(weight or None, eps)`` of diffusers' ``RMSNorm``; None for any other module."""
-    if type(norm).__name__ != "RMSNorm" or not hasattr(norm, "eps"):
-        return None
-    return getattr(norm, "weight", None), float(norm.eps)
 
 
 def _flux_fused_norm_rope_processor_class() -> type:
@@ -82,10 +77,10 @@ def _flux_fused_norm_rope_processor_class() -> type:
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                      image_rotary_emb=None):
-            norms = [_rms_norm_params(attn.norm_q), _rms_norm_params(attn.norm_k)]
+            norms = [rms_norm_params(attn.norm_q), rms_norm_params(attn.norm_k)]
             dual = attn.added_kv_proj_dim is not None
             if dual:
-                norms += [_rms_norm_params(attn.norm_added_q), _rms_norm_params(attn.norm_added_k)]
+                norms += [rms_norm_params(attn.norm_added_q), rms_norm_params(attn.norm_added_k)]
             if image_rotary_emb is None or any(n is None for n in norms) or len({n[1] for n in norms}) != 1:
                 return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
                                         image_rotary_emb)
@@ -210,14 +205,8 @@ class FluxAdapter(ModelAdapter):
         return [inner, linear.in_features - inner]
 
     def fused_norm_rope_processor(self, module: nn.Module) -> Any:
-        processor = getattr(module, "processor", None)
-        if type(processor).__name__ != "FluxAttnProcessor":  # IP-adapter processors keep theirs
-            return None
-        fused = _flux_fused_norm_rope_processor_class()()
-        for attr in ("_attention_backend", "_parallel_config"):
-            if attr in getattr(processor, "__dict__", {}):
-                setattr(fused, attr, getattr(processor, attr))
-        return fused
+        # exactly FluxAttnProcessor: IP-adapter processors keep theirs
+        return replacement_processor(module, "FluxAttnProcessor", _flux_fused_norm_rope_processor_class())
 
     def fused_attention_processor(self, module: nn.Module) -> Any:
         processor = getattr(module, "processor", None)

@@ -35,6 +35,8 @@ from omni_diffusion.adapters.base import (
     SequenceLayout,
     SequenceParallelPlan,
     TensorParallelPlan,
+    replacement_processor,
+    rms_norm_params,
 )
 
 #: TeaCache4Wan2.1 ``e0`` polynomials, highest power first
@@ -44,6 +46,52 @@ WAN21_TEACACHE_COEFFICIENTS = {
     "i2v-14b-480p": (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
     "i2v-14b-720p": (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
 }
+
+
+def _wan_fused_norm_rope_processor_class() -> type:
+    """diffusers' ``WanAttnProcessor`` with the self-attention's QK RMSNorm (over all heads) and
+    rotary embedding as one omni kernel. Built on first use: diffusers is imported only then."""
+    global _FUSED_NORM_ROPE_PROCESSOR
+    if _FUSED_NORM_ROPE_PROCESSOR is not None:
+        return _FUSED_NORM_ROPE_PROCESSOR
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+
+    from omni_kernels.qk_norm_rope import qk_rmsnorm_rope
+
+    class WanAttnProcessorFusedNormRope(WanAttnProcessor):
+        """``WanAttnProcessor`` whose self-attention (``attn1``: rotary, no image context)
+        normalizes q and k over all ``H*D`` features and rotates them in one omni kernel
+        (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`, ``norm_across_heads=True``;
+        diffusers: two norms, then per tensor a strided unbind, four products and two
+        scatter writes). Cross-attention (no rotary table), the I2V image context, sharded
+        (tensor-parallel) norms and ``eps=None`` norms go to diffusers' ``__call__``.
+        """
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+            norms = (rms_norm_params(attn.norm_q), rms_norm_params(attn.norm_k))
+            if (rotary_emb is None or encoder_hidden_states is not None or attn.add_k_proj is not None
+                    or None in norms or norms[0][1] != norms[1][1]):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            query, key, value = _get_qkv_projections(attn, hidden_states, None)
+            query = query.unflatten(2, (attn.heads, -1))
+            key = key.unflatten(2, (attn.heads, -1))
+            value = value.unflatten(2, (attn.heads, -1))
+            cos, sin = rotary_emb
+            query, key = qk_rmsnorm_rope(query, key, norms[0][0], norms[1][0], cos, sin, eps=norms[0][1],
+                                         interleaved=True, norm_across_heads=True)
+            hidden_states = dispatch_attention_fn(
+                query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                backend=self._attention_backend, parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).type_as(query)
+            return attn.to_out[1](attn.to_out[0](hidden_states))
+
+    _FUSED_NORM_ROPE_PROCESSOR = WanAttnProcessorFusedNormRope
+    return _FUSED_NORM_ROPE_PROCESSOR
+
+
+_FUSED_NORM_ROPE_PROCESSOR: type | None = None
 
 
 @register_adapter
@@ -71,6 +119,9 @@ class WanAdapter(ModelAdapter):
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
         return call.get("temb")
+
+    def fused_norm_rope_processor(self, module: nn.Module) -> Any:
+        return replacement_processor(module, "WanAttnProcessor", _wan_fused_norm_rope_processor_class())
 
     def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
         if pipe is not None and getattr(pipe, "transformer_2", None) is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def _flux_with_random_norms():
 def _norm_calls(model):
     calls = []
     for name, module in model.named_modules():
-        if type(module).__name__ == "RMSNorm" and ".attn.norm" in f".{name}":
+        if type(module).__name__ == "RMSNorm" and re.search(r"(^|\.)attn\d?\.norm_", name):
             module.register_forward_hook(lambda m, a, o, name=name: calls.append(name))
     return calls
 
@@ -117,6 +118,65 @@ def test_processor_falls_back_without_rotary_table():
     with torch.no_grad():
         out = attn(hidden_states=x)
     assert out.shape == x.shape and len(calls) == 2  # diffusers' path: norm_q and norm_k ran
+
+
+def _tiny_wan(image_context: bool = False):
+    """A 2-block Wan transformer (fp32) with random RMSNorm weights; with ``image_context``
+    the I2V layout (image embeddings and the added k/v projections)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    extra = dict(image_dim=24, added_kv_proj_dim=32) if image_context else {}
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
+    ).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "RMSNorm" and getattr(module, "weight", None) is not None:
+                module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=gen))
+        for block in model.blocks:
+            block.attn1.to_q.weight[:3] *= 8
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 3, 8, 6, generator=gen),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 512 + 4 if image_context else 6, 32, generator=gen),
+        return_dict=False,
+    )
+    if image_context:
+        inputs["encoder_hidden_states_image"] = torch.randn(1, 4, 24, generator=gen)
+        inputs["encoder_hidden_states"] = torch.randn(1, 6, 32, generator=gen)
+    return model, inputs
+
+
+@pytest.mark.parametrize("image_context", [False, True])
+def test_wan_processor_matches_diffusers(image_context):
+    """Wan's self-attention norms over all heads then rotates, in one kernel; cross-attention and
+    the I2V image context stay diffusers' (their norm modules still run)."""
+    model, inputs = _tiny_wan(image_context)
+    reference = _run(copy.deepcopy(model), inputs)
+    adapter = adapter_for_transformer(model)
+    assert adapter.has_fused_norm_rope
+    undo = adapter.apply_fused_norm_rope(model)
+    assert all(type(b.attn1.processor).__name__ == "WanAttnProcessorFusedNormRope" for b in model.blocks)
+    calls = _norm_calls(model)
+    out = _run(model, inputs)
+    assert not [c for c in calls if ".attn1." in c], calls  # self-attention: the kernel
+    assert [c for c in calls if ".attn2." in c]  # cross-attention: diffusers' norms
+    assert _rel(out, reference) < 1e-5
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    try:
+        assert _rel(_run(model, inputs), out) < 1e-6
+    finally:
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block._compiled_call_impl = None
+    undo()
+    assert all(type(b.attn1.processor).__name__ == "WanAttnProcessor" for b in model.blocks)
 
 
 def _tiny_pipe(family):
@@ -201,3 +261,42 @@ def test_gpu_processor_at_flux_1024(dual):
         print(f"fused norm+rope dual={dual}: rel err {err:.3e} (compiled {comp_err:.3e}; diffusers bf16 {base_err:.3e})")
         assert err <= max(2 * base_err, 1e-2) and comp_err <= max(2 * base_err, 1e-2)
 
+
+
+@pytest.mark.gpu
+def test_gpu_wan_processor_at_14b_width():
+    """Wan2.1-14B self-attention width (40 x 128 heads, RMSNorm over 5120 features) on 4680
+    tokens (3 x 30 x 52 latent patches), bf16: the fused processor against diffusers' processor
+    run in float32, with diffusers' bf16 error beside it; eager and compiled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (CUDA); torch.cuda.is_available() is False")
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanRotaryPosEmbed
+
+    torch.manual_seed(0)
+    attn = WanAttention(dim=5120, heads=40, dim_head=128, eps=1e-6)
+    with torch.no_grad():
+        for norm in (attn.norm_q, attn.norm_k):
+            norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
+        attn.to_q.weight[:8] *= 8
+    attn = attn.to("cuda", torch.bfloat16).eval()
+    rotary = WanRotaryPosEmbed(attention_head_dim=128, patch_size=(1, 2, 2), max_seq_len=1024)
+    rotary = tuple(t.cuda() for t in rotary(torch.zeros(1, 16, 3, 60, 104)))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, 3 * 30 * 52, 5120, device="cuda", generator=gen).bfloat16()
+    with torch.no_grad():
+        reference = copy.deepcopy(attn).float()(x.float(), rotary_emb=rotary)
+        diffusers_out = attn(x, rotary_emb=rotary)
+        attn.set_processor(adapter_for_transformer(_wan_class()).fused_norm_rope_processor(attn))
+        fused = attn(x, rotary_emb=rotary)
+        torch._dynamo.reset()
+        compiled = torch.compile(attn, fullgraph=True)(x, rotary_emb=rotary)
+        torch._dynamo.reset()
+    err, base_err, comp_err = _rel(fused, reference), _rel(diffusers_out, reference), _rel(compiled, reference)
+    print(f"wan fused norm+rope: rel err {err:.3e} (compiled {comp_err:.3e}; diffusers bf16 {base_err:.3e})")
+    assert err <= max(2 * base_err, 1e-2) and comp_err <= max(2 * base_err, 1e-2)
+
+
+def _wan_class():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel

@@ -17,6 +17,12 @@ CASES = [
     ("sd3", {"ring": 2}, {"attention": "sdpa_math", "compile": True, "compile_backend": "eager"}, TOL),
     ("flux", {"tp": 2}, {"attention": "sdpa_math", "quant": "int8_weight_only",
                          "quant_min_features": 0}, 5e-2),
+    # the fused QK-norm + RoPE processors under each sequence split and tensor parallelism
+    # (Wan's norm spans the heads: under tp its sharded norm keeps diffusers' path)
+    ("flux", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
+    ("flux", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
+    ("wan", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
+    ("wan", {"tp": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
 ]
 
 
