@@ -36,6 +36,9 @@ Variants (each applied to the same model and undone before the next):
 (d5) ``omni_fp8_diffusers_norm_rope`` (only when asked for with ``--variants``): (d) with
     ``fused_norm_rope=False``: diffusers' QK RMSNorm and RoPE (compiled by Inductor) instead of
     omni's fused kernel; (d5) vs (d) is the gain of the fused processor (Flux).
+(g) ``omni_fp8_eager`` (only when asked for with ``--variants``): (d) without compile: omni
+    attention, FP8 linears with their kernels, the fused QK-norm + RoPE processor, all eager;
+    what a user who does not compile gets, against (a).
 (d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
     activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
     Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
@@ -93,10 +96,10 @@ from bench._environment import base_environment, device_slug  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope", "omni_fp8_sage",
-            "fp8_sageattention")
+            "fp8_sageattention", "omni_fp8_eager")
 # Activation-quantization and launch experiments, run only when --variants names them.
 _OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
-                    "omni_fp8_diffusers_norm_rope")
+                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -114,6 +117,7 @@ VARIANT_LABELS = {
     "omni_fp8_diffusers_norm_rope": "(d5) (d), diffusers' QK norm + RoPE instead of omni's fused kernel",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
+    "omni_fp8_eager": "(g) (d) without compile (eager omni stack)",
 }
 
 
@@ -296,6 +300,9 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         quant["quant_options"] = {"activation_backend": "torch"}
     if variant == "omni_lossless":
         config = _omni_config(attention="auto", **common)
+    elif variant == "omni_fp8_eager":
+        _check_fp8(device)
+        config = _omni_config(attention="auto", **quant)
     elif variant in ("omni_fp8", "omni_fp8_unfused", *_OPT_IN_VARIANTS):
         _check_fp8(device)
         options = dict(quant.pop("quant_options", {}))
