@@ -67,6 +67,16 @@ def base_environment(packages: tuple[str, ...] = ("triton", "diffusers")) -> dic
     )
 
 
+def gpu_refusal(script: str) -> str | None:
+    """Why benchmark ``script`` cannot time kernels here (no CUDA GPU, or Triton's interpreter
+    on), or None."""
+    if not torch.cuda.is_available():
+        return f"{script} needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels"
+    return None
+
+
 def device_slug(name: str, empty: str = "unknown-device") -> str:
     """A device name as a file-name part: ``"NVIDIA H200"`` -> ``"nvidia-h200"`` (``empty``
     when nothing is left)."""

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -346,11 +346,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/attention.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+    refusal = gpu_refusal("bench/attention.py")
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
 
     from omni_kernels.attention import get_backend, list_backends

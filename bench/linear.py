@@ -45,7 +45,6 @@ import copy
 import datetime as _dt
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -56,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -484,11 +483,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/linear.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+    refusal = gpu_refusal("bench/linear.py")
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
     budget = _Budget(args.budget_s, args.hard_budget_s)
     env = base_environment(("triton", "diffusers", "torchao"))

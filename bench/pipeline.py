@@ -92,7 +92,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment, device_slug  # noqa: E402
+from bench._environment import base_environment, device_slug, gpu_refusal  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope", "omni_fp8_sage",
@@ -562,11 +562,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        print("bench/pipeline.py needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    if not args.smoke and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels", file=sys.stderr)
+    refusal = None if args.smoke else gpu_refusal("bench/pipeline.py")
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
     try:
         import diffusers  # noqa: F401

@@ -58,10 +58,16 @@ def _clamped(y, mask, clamp_val, HAS_CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _activated(x, cols, mask, activation_from, clamp_val, HAS_CLAMP: tl.constexpr):
+    """float32 ``y`` of loaded values ``x`` (any float dtype) at columns ``cols`` (0 where not ``mask``)."""
+    return _clamped(_gelu_tanh_from(x.to(tl.float32), cols, activation_from), mask, clamp_val, HAS_CLAMP)
+
+
+@triton.jit
 def _activated_row(x_row, cols, mask, activation_from, clamp_val, HAS_CLAMP: tl.constexpr):
     """float32 ``y`` of ``x``'s columns ``cols`` (0 where not ``mask``)."""
-    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    return _clamped(_gelu_tanh_from(x, cols, activation_from), mask, clamp_val, HAS_CLAMP)
+    return _activated(tl.load(x_row + cols, mask=mask, other=0.0), cols, mask, activation_from, clamp_val,
+                      HAS_CLAMP)
 
 
 @triton.jit
@@ -91,7 +97,7 @@ def _quantize_activated_kernel(
     K, prefix_width, activation_from, x_row_stride, p_row_stride, q_row_stride, clamp_val,
     HAS_PREFIX: tl.constexpr, HAS_CLAMP: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     MIN_AMAX: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    SINGLE_TILE: tl.constexpr,
+    SINGLE_TILE: tl.constexpr, RECOMPUTE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -101,8 +107,14 @@ def _quantize_activated_kernel(
         # x's tile (and the prefix's) stays in registers from the load to the store.
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
-        y = _activated_row(x_row, cols, mask, activation_from, clamp_val, HAS_CLAMP)
-        amax = tl.max(tl.abs(y), axis=0)
+        if RECOMPUTE:
+            # Only the 16-bit input stays live across the row's reduction; the GELU runs
+            # again for the store (same operations, same values): fewer registers a thread.
+            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            amax = tl.max(tl.abs(_activated(x, cols, mask, activation_from, clamp_val, HAS_CLAMP)), axis=0)
+        else:
+            y = _activated_row(x_row, cols, mask, activation_from, clamp_val, HAS_CLAMP)
+            amax = tl.max(tl.abs(y), axis=0)
         if HAS_PREFIX:
             p_cols = tl.arange(0, BLOCK_P)
             p_mask = p_cols < prefix_width
@@ -113,6 +125,8 @@ def _quantize_activated_kernel(
         inv = tl.math.div_rn(QMAX, amax)
         if HAS_PREFIX:
             quantize_store(y_p, inv, q_row, p_cols, p_mask, QMAX, IS_INT8, USE_LIBDEVICE)
+        if RECOMPUTE:
+            y = _activated(x, cols, mask, activation_from, clamp_val, HAS_CLAMP)
         quantize_store(y, inv, q_row + prefix_width, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
     else:
         # Long rows: chunks of the row cat(prefix, x), re-read (from L2) for the second pass.
@@ -140,6 +154,7 @@ def launch_quantize_activated_triton(
     prefix: torch.Tensor | None = None,
     max_tile: int = MAX_TILE,
     num_warps: int | None = None,
+    recompute_activation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GELU on the columns ``activation_from:`` of ``x`` ``[M, K]``, then per-row quantization of
     ``cat(prefix, GELU part of x)``; returns ``(q [M, K0 + K] out_dtype, scale [M, 1] float32)``.
@@ -154,7 +169,9 @@ def launch_quantize_activated_triton(
     Arguments are validated by :func:`omni_kernels.quant.quantize_activated_per_token`;
     ``clamp <= 0`` means no clamp; ``max_tile`` exists for tests of the chunked path;
     ``num_warps`` (a power of two, 1 to 32; ``None``: :func:`~omni_kernels.quant.triton_kernel.launch_config`'s,
-    at most 8) is for tuning. Launched through ``torch.library.wrap_triton`` so that Inductor,
+    at most 8) and ``recompute_activation`` (single-tile rows: keep only the 16-bit input in
+    registers across the row's reduction and apply the GELU again for the store; same values)
+    are for tuning. Launched through ``torch.library.wrap_triton`` so that Inductor,
     which traces the ``triton_op`` wrapping this, calls the kernel from its generated code directly.
     """
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
@@ -176,6 +193,7 @@ def launch_quantize_activated_triton(
         k, prefix_width, activation_from, x.stride(0), prefix.stride(0) if has_prefix else 0, q.stride(0),
         float(clamp),
         HAS_PREFIX=has_prefix,
+        RECOMPUTE=bool(recompute_activation),
         BLOCK_P=max(16, triton.next_power_of_2(prefix_width)) if has_prefix else 16,
         **row_quantization_constants(out_dtype, clamp, block, single),
         num_warps=num_warps or default_warps,

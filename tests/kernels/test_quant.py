@@ -718,11 +718,29 @@ def test_activated_prefix_chunked_rows(inputs, k0, k, clamp):
     chunked = launch_quantize_activated_triton(tail, 0, clamp, torch.int8, prefix=head, max_tile=16)
     cat_chunked = launch_quantize_activated_triton(cat, k0, clamp, torch.int8, max_tile=16)
     tile = launch_quantize_activated_triton(tail, 0, clamp, torch.int8, prefix=head, num_warps=4)
-    for other in (cat_chunked, tile):
+    recomputed = launch_quantize_activated_triton(tail, 0, clamp, torch.int8, prefix=head, recompute_activation=True)
+    for other in (cat_chunked, tile, recomputed):
         assert torch.equal(chunked[1], other[1]) and torch.equal(chunked[0], other[0])
     q_ref, scale_ref = quantize_activated_reference(cat, torch.int8, "gelu_tanh", k0, clamp or None)
     _assert_same_quantization(*chunked, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
                               scale_rtol=1e-6)
+
+
+@needs_interpreter_or_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("activation_from,clamp", [(0, 0.0), (37, 3.0)])
+def test_activated_recompute_gives_the_same_codes(inputs, dtype, activation_from, clamp):
+    """recompute_activation (a register-pressure knob: the GELU applied again for the store)
+    writes the same codes and scales as keeping the activated row."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(inputs.seed)
+    x = (torch.randn(7, 333, device=device) * 3).to(dtype)
+    x[:, 5] *= 20  # an outlier channel
+    kept = launch_quantize_activated_triton(x, activation_from, clamp, torch.int8)
+    again = launch_quantize_activated_triton(x, activation_from, clamp, torch.int8, recompute_activation=True)
+    assert torch.equal(kept[1], again[1]) and torch.equal(kept[0], again[0])
+    q_ref, scale_ref = quantize_activated_reference(x, torch.int8, "gelu_tanh", activation_from, clamp or None)
+    _assert_same_quantization(*again, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01, scale_rtol=1e-5)
 
 
 def test_activated_prefix_bad_arguments():

@@ -28,13 +28,16 @@ _PER_TOKEN_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_p
                    "mod_row_stride": "i32", "rows_per_group": "i32", "eps": "fp32", "clamp_val": "fp32"}
 
 # activated_concat: the prefix read through its own pointer (Flux's proj_out input without its cat).
+# -recompute: the single-tile path that applies the GELU again for the store.
 CASES = {
-    f"activated{'_concat' if prefix else ''}-{q}-{'tile' if tile else 'chunked'}": (
+    f"activated{'_concat' if prefix else ''}-{q}-{'tile' if tile else 'chunked'}{'-recompute' if recompute else ''}": (
         "omni_kernels.quant.activated_triton_kernel", "_quantize_activated_kernel",
         {**_ACTIVATED_ARGS, "q_ptr": "*i8" if q == "int8" else "*fp8e4nv"},
         dict(_QUANT_CONSTANTS, IS_INT8=q == "int8", QMAX=127.0 if q == "int8" else 448.0, HAS_CLAMP=True,
-             HAS_PREFIX=prefix, BLOCK_P=4096 if prefix else 16, BLOCK_K=16384 if tile else 4096, SINGLE_TILE=tile))
+             HAS_PREFIX=prefix, BLOCK_P=4096 if prefix else 16, BLOCK_K=16384 if tile else 4096, SINGLE_TILE=tile,
+             RECOMPUTE=recompute))
     for prefix in (False, True) for q in ("fp8", "int8") for tile in (True, False)
+    for recompute in ((False, True) if tile else (False,))
 }
 CASES.update({
     f"per_token-norm{norm}-{'tile' if tile else 'chunked'}": (
