@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,13 +54,11 @@ _FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
+@functools.cache
 def _flux_fused_norm_rope_processor_class() -> type:
     """diffusers' ``FluxAttnProcessor`` with its QK RMSNorm and rotary embedding as one omni
     kernel (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`) per stream. Built on first use:
     diffusers is imported only then."""
-    global _FUSED_NORM_ROPE_PROCESSOR
-    if _FUSED_NORM_ROPE_PROCESSOR is not None:
-        return _FUSED_NORM_ROPE_PROCESSOR
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
 
@@ -121,11 +120,7 @@ def _flux_fused_norm_rope_processor_class() -> type:
             hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
             return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
-    _FUSED_NORM_ROPE_PROCESSOR = FluxAttnProcessorFusedNormRope
-    return _FUSED_NORM_ROPE_PROCESSOR
-
-
-_FUSED_NORM_ROPE_PROCESSOR: type | None = None
+    return FluxAttnProcessorFusedNormRope
 
 
 def single_block_forward_concat_free(

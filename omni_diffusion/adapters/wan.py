@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -48,12 +49,10 @@ WAN21_TEACACHE_COEFFICIENTS = {
 }
 
 
+@functools.cache
 def _wan_fused_norm_rope_processor_class() -> type:
     """diffusers' ``WanAttnProcessor`` with the self-attention's QK RMSNorm (over all heads) and
     rotary embedding as one omni kernel. Built on first use: diffusers is imported only then."""
-    global _FUSED_NORM_ROPE_PROCESSOR
-    if _FUSED_NORM_ROPE_PROCESSOR is not None:
-        return _FUSED_NORM_ROPE_PROCESSOR
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
@@ -87,11 +86,7 @@ def _wan_fused_norm_rope_processor_class() -> type:
             hidden_states = hidden_states.flatten(2, 3).type_as(query)
             return attn.to_out[1](attn.to_out[0](hidden_states))
 
-    _FUSED_NORM_ROPE_PROCESSOR = WanAttnProcessorFusedNormRope
-    return _FUSED_NORM_ROPE_PROCESSOR
-
-
-_FUSED_NORM_ROPE_PROCESSOR: type | None = None
+    return WanAttnProcessorFusedNormRope
 
 
 @register_adapter
