@@ -34,6 +34,10 @@
   norm/projection and the AdaLN modulation linears.
 * TeaCache: the first block's ``norm1(hidden_states, emb=temb)``, with the
   TeaCache4HunyuanVideo polynomial (ali-vilab/TeaCache).
+* Fused QK norm + RoPE (``AccelConfig.fused_norm_rope``): both block kinds'
+  ``HunyuanVideoAttnProcessor2_0`` is replaced by one that runs the per-head
+  RMSNorms and the video tokens' rotary embedding as omni kernels; the token
+  refiner's attention (no QK norm, no rotary) keeps diffusers' processor.
 """
 
 from __future__ import annotations
@@ -62,6 +66,98 @@ from omni_diffusion.adapters.base import (
 HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS = (
     7.33226126e02, -4.01131952e02, 6.75869174e01, -3.14987800e00, 9.61237896e-02,
 )
+
+
+def _rms_norm_pair(norm_q: nn.Module | None, norm_k: nn.Module | None) -> tuple[Any, Any, float] | None:
+    """``(q weight, k weight, eps)`` when both are diffusers ``RMSNorm`` without bias sharing one
+    eps (a weight may be None), else None (the kernel takes one eps per q/k pair, no bias)."""
+    norms = (norm_q, norm_k)
+    if any(type(n).__name__ != "RMSNorm" or getattr(n, "bias", None) is not None for n in norms):
+        return None
+    return (norm_q.weight, norm_k.weight, float(norm_q.eps)) if norm_q.eps == norm_k.eps else None
+
+
+def _hunyuan_video_fused_norm_rope_processor_class() -> type:
+    """diffusers' ``HunyuanVideoAttnProcessor2_0`` with its QK RMSNorms and rotary embedding
+    as omni kernels (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`). Built on first use:
+    diffusers is imported only then."""
+    global _FUSED_NORM_ROPE_PROCESSOR
+    if _FUSED_NORM_ROPE_PROCESSOR is not None:
+        return _FUSED_NORM_ROPE_PROCESSOR
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+    from omni_kernels.qk_norm_rope import qk_rmsnorm_rope
+
+    class HunyuanVideoAttnProcessorFusedNormRope(HunyuanVideoAttnProcessor2_0):
+        """``HunyuanVideoAttnProcessor2_0`` whose QK norms and rotary embedding run as two
+        omni kernel calls, writing straight into the joint ``[B, S_video + S_text, H, D]``
+        query and key (video tokens first, as diffusers orders them):
+
+        * video tokens: ``norm_q``/``norm_k`` then RoPE with the ``(cos, sin)`` tables
+          (``[S_video, D]`` each, pairs ``(2i, 2i+1)``);
+        * text tokens: normed, not rotated (identity tables ``cos = 1, sin = 0``), with
+          ``norm_added_q``/``norm_added_k`` in the dual-stream blocks, and with ``norm_q``/
+          ``norm_k`` in the single-stream blocks, whose one ``to_q`` reads ``[video, text]``.
+
+        diffusers: four norm passes, two RoPE passes of ~10 small kernels each, and cats.
+        The projections, the attention call (same ``_attention_backend``,
+        ``_parallel_config`` and key mask) and the output projections are diffusers' own.
+        Calls it does not cover (no rotary table, no text stream, norms that are not
+        RMSNorm) go to diffusers' ``__call__``.
+        """
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            single_stream = attn.add_q_proj is None
+            video_norms = _rms_norm_pair(attn.norm_q, attn.norm_k)
+            text_norms = video_norms if single_stream else _rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
+            if image_rotary_emb is None or encoder_hidden_states is None or video_norms is None \
+                    or text_norms is None:
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                        image_rotary_emb)
+            video_len, text_len = hidden_states.shape[1], encoder_hidden_states.shape[1]
+            if single_stream:
+                joint = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+                query, key, value = (proj(joint).unflatten(2, (attn.heads, -1))
+                                     for proj in (attn.to_q, attn.to_k, attn.to_v))
+                video_qk = query[:, :video_len], key[:, :video_len]
+                text_qk = query[:, video_len:], key[:, video_len:]
+            else:
+                query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1))
+                                     for proj in (attn.to_q, attn.to_k, attn.to_v))
+                text_query, text_key, text_value = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                                                    for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+                video_qk, text_qk = (query, key), (text_query, text_key)
+                value = torch.cat([value, text_value], dim=1)
+            batch, _, heads, head_dim = query.shape
+            joint_query = query.new_empty(batch, video_len + text_len, heads, head_dim)
+            joint_key = key.new_empty(batch, video_len + text_len, key.shape[2], head_dim)
+            cos, sin = image_rotary_emb
+            no_rotation = cos.new_ones(text_len, head_dim), sin.new_zeros(text_len, head_dim)
+            for (q, k), (q_weight, k_weight, eps), tables, tokens in (
+                (video_qk, video_norms, (cos, sin), slice(None, video_len)),
+                (text_qk, text_norms, no_rotation, slice(video_len, None)),
+            ):
+                qk_rmsnorm_rope(q, k, q_weight, k_weight, *tables, eps=eps, interleaved=True,
+                                q_out=joint_query[:, tokens], k_out=joint_key[:, tokens])
+            hidden_states = dispatch_attention_fn(
+                joint_query, joint_key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                backend=self._attention_backend, parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).to(joint_query.dtype)
+            hidden_states, encoder_hidden_states = hidden_states[:, :video_len], hidden_states[:, video_len:]
+            if getattr(attn, "to_out", None) is not None:
+                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+            if getattr(attn, "to_add_out", None) is not None:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+            return hidden_states, encoder_hidden_states
+
+    _FUSED_NORM_ROPE_PROCESSOR = HunyuanVideoAttnProcessorFusedNormRope
+    return _FUSED_NORM_ROPE_PROCESSOR
+
+
+_FUSED_NORM_ROPE_PROCESSOR: type | None = None
 
 
 def single_block_forward_concat_free(
@@ -149,6 +245,15 @@ class HunyuanVideoAdapter(ModelAdapter):
 
     def teacache_coefficients(self, transformer: nn.Module, pipe: Any = None):
         return HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS
+
+    def fused_norm_rope_processor(self, module: nn.Module) -> Any:
+        processor = getattr(module, "processor", None)
+        if type(processor).__name__ != "HunyuanVideoAttnProcessor2_0":  # the token refiner's has no QK norm/RoPE
+            return None
+        fused = _hunyuan_video_fused_norm_rope_processor_class()()
+        fused.__dict__.update({name: value for name, value in vars(processor).items()
+                               if name in ("_attention_backend", "_parallel_config")})
+        return fused
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
         """A single block's ``proj_out`` input: the attention output (heads x head size), then the MLP."""

@@ -30,9 +30,14 @@
   norm/projection and the per-block modulation linears (``img_mod``/``txt_mod``).
 * TeaCache: the first block's modulated image input (``img_norm1`` then
   ``img_mod``'s first shift/scale); no published calibration (raw distance).
+* Fused QK norm + RoPE (``AccelConfig.fused_norm_rope``):
+  ``QwenDoubleStreamAttnProcessor2_0`` is replaced by one that runs each stream's
+  per-head RMSNorms and complex rotary embedding as one omni kernel.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +53,97 @@ from omni_diffusion.adapters.base import (
     SequenceParallelPlan,
     TensorParallelPlan,
 )
+
+
+def _rms_norm_pair(norm_q: nn.Module | None, norm_k: nn.Module | None) -> tuple[Any, Any, float] | None:
+    """``(q weight, k weight, eps)`` of two bias-free diffusers ``RMSNorm`` with one eps, else None."""
+    if all(type(n).__name__ == "RMSNorm" and getattr(n, "bias", None) is None for n in (norm_q, norm_k)) \
+            and norm_q.eps == norm_k.eps:
+        return norm_q.weight, norm_k.weight, float(norm_q.eps)
+    return None
+
+
+def rotary_tables_from_complex(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[S, D]`` (float32 for complex64), from Qwen-Image's complex rotary
+    ``freqs`` ``[S, D/2]``: ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` reads pairs
+    ``(x[2i], x[2i+1])`` as complex numbers and multiplies them by ``freqs[:, i]``, which is
+    ``qk_rmsnorm_rope(..., interleaved=True)`` with each angle's cos and sin repeated for both
+    members of its pair."""
+    cos_sin = torch.view_as_real(freqs)  # [S, D/2, (real, imaginary)]
+    return cos_sin[..., 0].repeat_interleave(2, dim=-1), cos_sin[..., 1].repeat_interleave(2, dim=-1)
+
+
+def _qwen_fused_norm_rope_processor_class() -> type:
+    """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with its QK RMSNorms and rotary
+    embedding as one omni kernel (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`) per
+    stream. Built on first use: diffusers is imported only then."""
+    global _FUSED_NORM_ROPE_PROCESSOR
+    if _FUSED_NORM_ROPE_PROCESSOR is not None:
+        return _FUSED_NORM_ROPE_PROCESSOR
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    from omni_kernels.qk_norm_rope import qk_rmsnorm_rope
+
+    class QwenDoubleStreamAttnProcessorFusedNormRope(QwenDoubleStreamAttnProcessor2_0):
+        """``QwenDoubleStreamAttnProcessor2_0`` whose ``norm_q``/``norm_k`` (image stream),
+        ``norm_added_q``/``norm_added_k`` (text stream) and rotary embedding run as one omni
+        kernel per stream, writing straight into the joint ``[B, S_text + S_image, H, D]``
+        query and key (text first, as diffusers orders them). Each stream's complex
+        ``[S, D/2]`` rotary table becomes the kernel's ``[S, D]`` cos/sin tables once per call
+        (:func:`rotary_tables_from_complex`). The text padding mask (the joint key mask
+        built as diffusers builds it), the projections, the attention call (same
+        ``_attention_backend`` and ``_parallel_config``) and the output projections are
+        diffusers' own. Calls it does not cover (no rotary table, a real-valued one, norms
+        that are not RMSNorm, the arguments diffusers refuses) go to diffusers' ``__call__``.
+        """
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                     attention_mask=None, image_rotary_emb=None):
+            image_norms = _rms_norm_pair(attn.norm_q, attn.norm_k)
+            text_norms = _rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
+            if encoder_hidden_states is None or attention_mask is not None or image_rotary_emb is None \
+                    or image_norms is None or text_norms is None \
+                    or not all(torch.is_complex(freqs) for freqs in image_rotary_emb):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                        attention_mask, image_rotary_emb)
+            if encoder_hidden_states_mask is not None:  # text padding, then every image key
+                image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+                attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+            # a fixed head size, the head count from the width: tensor parallelism's sharded heads
+            head_dim = attn.inner_dim // attn.heads
+            image_query, image_key, image_value = (proj(hidden_states).unflatten(-1, (-1, head_dim))
+                                                   for proj in (attn.to_q, attn.to_k, attn.to_v))
+            text_query, text_key, text_value = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+                                                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            batch, text_len = text_query.shape[:2]
+            joint_len = text_len + image_query.shape[1]
+            joint_query = image_query.new_empty(batch, joint_len, image_query.shape[2], head_dim)
+            joint_key = image_key.new_empty(batch, joint_len, image_key.shape[2], head_dim)
+            image_freqs, text_freqs = image_rotary_emb
+            for (q, k), (q_weight, k_weight, eps), freqs, tokens in (
+                ((text_query, text_key), text_norms, text_freqs, slice(None, text_len)),
+                ((image_query, image_key), image_norms, image_freqs, slice(text_len, None)),
+            ):
+                qk_rmsnorm_rope(q, k, q_weight, k_weight, *rotary_tables_from_complex(freqs), eps=eps,
+                                interleaved=True, q_out=joint_query[:, tokens], k_out=joint_key[:, tokens])
+            joint_value = torch.cat([text_value, image_value], dim=1)
+            hidden_states = dispatch_attention_fn(
+                joint_query, joint_key, joint_value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                backend=self._attention_backend, parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).to(joint_query.dtype)
+            text_output, image_output = hidden_states[:, :text_len], hidden_states[:, text_len:]
+            image_output = attn.to_out[0](image_output.contiguous())
+            if len(attn.to_out) > 1:
+                image_output = attn.to_out[1](image_output)  # dropout
+            return image_output, attn.to_add_out(text_output.contiguous())
+
+    _FUSED_NORM_ROPE_PROCESSOR = QwenDoubleStreamAttnProcessorFusedNormRope
+    return _FUSED_NORM_ROPE_PROCESSOR
+
+
+_FUSED_NORM_ROPE_PROCESSOR: type | None = None
 
 
 @register_adapter
@@ -89,6 +185,15 @@ class QwenImageAdapter(ModelAdapter):
     )
     activation_fusions = (FEED_FORWARD_GELU,)
     cache_disabling_kwargs = ("controlnet_block_samples",)
+
+    def fused_norm_rope_processor(self, module: nn.Module) -> Any:
+        processor = getattr(module, "processor", None)
+        if type(processor).__name__ != "QwenDoubleStreamAttnProcessor2_0":
+            return None
+        fused = _qwen_fused_norm_rope_processor_class()()
+        fused.__dict__.update({name: value for name, value in vars(processor).items()
+                               if name in ("_attention_backend", "_parallel_config")})
+        return fused
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
         hidden = call.get("hidden_states")
