@@ -561,13 +561,23 @@ def replacement_processor(module: nn.Module, class_name: str, build: Callable[[]
     return new
 
 
-def rms_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, float] | None:
-    """``(weight or None, eps)`` of an RMSNorm (diffusers' or ``torch.nn.RMSNorm`` with an
-    explicit ``eps``), for a fused kernel to apply; None for any other module, including
-    tensor parallelism's ``ShardedRMSNorm`` (its mean square spans ranks)."""
-    if type(norm).__name__ != "RMSNorm" or getattr(norm, "eps", None) is None:
+def rms_norm_params(norm: nn.Module | None) -> tuple[torch.Tensor | None, float] | None:
+    """``(weight or None, eps)`` of a bias-free RMSNorm (diffusers' or ``torch.nn.RMSNorm``
+    with an explicit ``eps``), for a fused kernel to apply; None for any other module,
+    including tensor parallelism's ``ShardedRMSNorm`` (its mean square spans ranks)."""
+    if (type(norm).__name__ != "RMSNorm" or getattr(norm, "eps", None) is None
+            or getattr(norm, "bias", None) is not None):
         return None
     return getattr(norm, "weight", None), float(norm.eps)
+
+
+def rms_norm_pair(norm_q: nn.Module | None, norm_k: nn.Module | None) -> tuple[Any, Any, float] | None:
+    """``(q weight, k weight, eps)`` when both are :func:`rms_norm_params` norms with one eps
+    (the fused QK kernel takes one eps a call), else None."""
+    q, k = rms_norm_params(norm_q), rms_norm_params(norm_k)
+    if q is None or k is None or q[1] != k[1]:
+        return None
+    return q[0], k[0], q[1]
 
 
 def modulated_norm_input(norm: nn.Module, call: BlockCall, hidden_arg: str = "hidden_states",
@@ -588,5 +598,6 @@ __all__ = [
     "block_call",
     "modulated_norm_input",
     "replacement_processor",
+    "rms_norm_pair",
     "rms_norm_params",
 ]

@@ -42,6 +42,7 @@
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 from typing import Any
 
@@ -60,6 +61,8 @@ from omni_diffusion.adapters.base import (
     SequenceLayout,
     SequenceParallelPlan,
     modulated_norm_input,
+    replacement_processor,
+    rms_norm_pair,
 )
 
 #: TeaCache4HunyuanVideo, highest power first
@@ -68,22 +71,13 @@ HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS = (
 )
 
 
-def _rms_norm_pair(norm_q: nn.Module | None, norm_k: nn.Module | None) -> tuple[Any, Any, float] | None:
-    """``(q weight, k weight, eps)`` when both are diffusers ``RMSNorm`` without bias sharing one
-    eps (a weight may be None), else None (the kernel takes one eps per q/k pair, no bias)."""
-    norms = (norm_q, norm_k)
-    if any(type(n).__name__ != "RMSNorm" or getattr(n, "bias", None) is not None for n in norms):
-        return None
-    return (norm_q.weight, norm_k.weight, float(norm_q.eps)) if norm_q.eps == norm_k.eps else None
 
 
+@functools.cache
 def _hunyuan_video_fused_norm_rope_processor_class() -> type:
     """diffusers' ``HunyuanVideoAttnProcessor2_0`` with its QK RMSNorms and rotary embedding
     as omni kernels (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`). Built on first use:
     diffusers is imported only then."""
-    global _FUSED_NORM_ROPE_PROCESSOR
-    if _FUSED_NORM_ROPE_PROCESSOR is not None:
-        return _FUSED_NORM_ROPE_PROCESSOR
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
@@ -110,8 +104,8 @@ def _hunyuan_video_fused_norm_rope_processor_class() -> type:
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                      image_rotary_emb=None):
             single_stream = attn.add_q_proj is None
-            video_norms = _rms_norm_pair(attn.norm_q, attn.norm_k)
-            text_norms = video_norms if single_stream else _rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
+            video_norms = rms_norm_pair(attn.norm_q, attn.norm_k)
+            text_norms = video_norms if single_stream else rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
             if image_rotary_emb is None or encoder_hidden_states is None or video_norms is None \
                     or text_norms is None:
                 return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
@@ -153,11 +147,7 @@ def _hunyuan_video_fused_norm_rope_processor_class() -> type:
                 encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
             return hidden_states, encoder_hidden_states
 
-    _FUSED_NORM_ROPE_PROCESSOR = HunyuanVideoAttnProcessorFusedNormRope
-    return _FUSED_NORM_ROPE_PROCESSOR
-
-
-_FUSED_NORM_ROPE_PROCESSOR: type | None = None
+    return HunyuanVideoAttnProcessorFusedNormRope
 
 
 def single_block_forward_concat_free(
@@ -247,13 +237,9 @@ class HunyuanVideoAdapter(ModelAdapter):
         return HUNYUAN_VIDEO_TEACACHE_COEFFICIENTS
 
     def fused_norm_rope_processor(self, module: nn.Module) -> Any:
-        processor = getattr(module, "processor", None)
-        if type(processor).__name__ != "HunyuanVideoAttnProcessor2_0":  # the token refiner's has no QK norm/RoPE
-            return None
-        fused = _hunyuan_video_fused_norm_rope_processor_class()()
-        fused.__dict__.update({name: value for name, value in vars(processor).items()
-                               if name in ("_attention_backend", "_parallel_config")})
-        return fused
+        # exactly that class: the token refiner's AttnProcessor2_0 has no QK norm or RoPE
+        processor_class = _hunyuan_video_fused_norm_rope_processor_class()
+        return replacement_processor(module, "HunyuanVideoAttnProcessor2_0", processor_class)
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
         """A single block's ``proj_out`` input: the attention output (heads x head size), then the MLP."""

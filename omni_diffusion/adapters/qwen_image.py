@@ -37,6 +37,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -52,15 +53,11 @@ from omni_diffusion.adapters.base import (
     SequenceLayout,
     SequenceParallelPlan,
     TensorParallelPlan,
+    replacement_processor,
+    rms_norm_pair,
 )
 
 
-def _rms_norm_pair(norm_q: nn.Module | None, norm_k: nn.Module | None) -> tuple[Any, Any, float] | None:
-    """``(q weight, k weight, eps)`` of two bias-free diffusers ``RMSNorm`` with one eps, else None."""
-    if all(type(n).__name__ == "RMSNorm" and getattr(n, "bias", None) is None for n in (norm_q, norm_k)) \
-            and norm_q.eps == norm_k.eps:
-        return norm_q.weight, norm_k.weight, float(norm_q.eps)
-    return None
 
 
 def rotary_tables_from_complex(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,13 +70,11 @@ def rotary_tables_from_complex(freqs: torch.Tensor) -> tuple[torch.Tensor, torch
     return cos_sin[..., 0].repeat_interleave(2, dim=-1), cos_sin[..., 1].repeat_interleave(2, dim=-1)
 
 
+@functools.cache
 def _qwen_fused_norm_rope_processor_class() -> type:
     """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with its QK RMSNorms and rotary
     embedding as one omni kernel (:func:`omni_kernels.qk_norm_rope.qk_rmsnorm_rope`) per
     stream. Built on first use: diffusers is imported only then."""
-    global _FUSED_NORM_ROPE_PROCESSOR
-    if _FUSED_NORM_ROPE_PROCESSOR is not None:
-        return _FUSED_NORM_ROPE_PROCESSOR
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
@@ -100,8 +95,8 @@ def _qwen_fused_norm_rope_processor_class() -> type:
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                      attention_mask=None, image_rotary_emb=None):
-            image_norms = _rms_norm_pair(attn.norm_q, attn.norm_k)
-            text_norms = _rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
+            image_norms = rms_norm_pair(attn.norm_q, attn.norm_k)
+            text_norms = rms_norm_pair(attn.norm_added_q, attn.norm_added_k)
             if encoder_hidden_states is None or attention_mask is not None or image_rotary_emb is None \
                     or image_norms is None or text_norms is None \
                     or not all(torch.is_complex(freqs) for freqs in image_rotary_emb):
@@ -139,11 +134,7 @@ def _qwen_fused_norm_rope_processor_class() -> type:
                 image_output = attn.to_out[1](image_output)  # dropout
             return image_output, attn.to_add_out(text_output.contiguous())
 
-    _FUSED_NORM_ROPE_PROCESSOR = QwenDoubleStreamAttnProcessorFusedNormRope
-    return _FUSED_NORM_ROPE_PROCESSOR
-
-
-_FUSED_NORM_ROPE_PROCESSOR: type | None = None
+    return QwenDoubleStreamAttnProcessorFusedNormRope
 
 
 @register_adapter
@@ -187,13 +178,8 @@ class QwenImageAdapter(ModelAdapter):
     cache_disabling_kwargs = ("controlnet_block_samples",)
 
     def fused_norm_rope_processor(self, module: nn.Module) -> Any:
-        processor = getattr(module, "processor", None)
-        if type(processor).__name__ != "QwenDoubleStreamAttnProcessor2_0":
-            return None
-        fused = _qwen_fused_norm_rope_processor_class()()
-        fused.__dict__.update({name: value for name, value in vars(processor).items()
-                               if name in ("_attention_backend", "_parallel_config")})
-        return fused
+        processor_class = _qwen_fused_norm_rope_processor_class()
+        return replacement_processor(module, "QwenDoubleStreamAttnProcessor2_0", processor_class)
 
     def teacache_input(self, block: nn.Module, call: BlockCall) -> torch.Tensor | None:
         hidden = call.get("hidden_states")

@@ -23,6 +23,8 @@ CASES = [
     ("flux", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
     ("wan", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
     ("wan", {"tp": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
+    ("hunyuan_video", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
+    ("qwen_image", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
 ]
 
 
