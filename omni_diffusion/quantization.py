@@ -694,11 +694,12 @@ def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None
                 source = owner.get_submodule(fusion.concatenated_after)
             except AttributeError:
                 continue
-            head = consumer.in_features - getattr(source, "out_features", consumer.in_features)
+            # (a tensor-parallel consumer, say, is no QuantizedLinear: its GELU was not folded)
+            folded = isinstance(consumer, QuantizedLinear) and consumer.input_activation is not None
             why = (
                 "its consumer does not apply the folded GELU after the other input"
-                if not isinstance(consumer, QuantizedLinear) or consumer.input_activation is None
-                or consumer.activation_from != head else
+                if not folded or consumer.activation_from
+                != consumer.in_features - getattr(source, "out_features", consumer.in_features) else
                 "it already has an instance forward" if "forward" in owner.__dict__ else
                 f"its forward takes {list(inspect.signature(type(owner).forward).parameters)[1:]}, "
                 f"not {wanted}" if list(inspect.signature(type(owner).forward).parameters)[1:] != wanted else
