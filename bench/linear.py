@@ -26,7 +26,9 @@ Part 2, one Flux-shaped transformer step: ``FluxTransformer2DModel`` at its defa
 (Flux.1) config, 11.9B random bf16 weights, 1024^2 (4096 image + 512 text tokens);
 bf16 eager, FP8 eager, FP8 with ``torch.compile`` (the repeated blocks compiled,
 ``fullgraph=True`` when it traces) and INT8 eager; the embedders, ``norm_out`` and
-``proj_out`` stay bf16. Median of timed steps (CUDA events), relative L2 error of
+``proj_out`` stay bf16. ``fp8-eager-fused-norm-rope``: FP8 eager with the Flux adapter's
+fused QK-norm + RoPE attention processor as well (the other eager cost besides the linears;
+``omni_diffusion.AccelConfig.fused_norm_rope``), removed again before the compiled row. Median of timed steps (CUDA events), relative L2 error of
 each output against the bf16 step, model memory and peak memory of a step.
 
 Output: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
@@ -370,11 +372,16 @@ def _run_transformer(budget: _Budget, steps: int, variants):
             continue
         for variant in wanted:
             row = dict(variant=variant)
-            if budget.exceeded(essential=variant != "int8-eager"):
+            if budget.exceeded(essential=variant not in _OPTIONAL_STEP_VARIANTS):
                 row["status"] = "skipped: time budget"
                 rows.append(row)
                 continue
+            undo_fused = None
             try:
+                if variant.endswith("fused-norm-rope"):
+                    from omni_diffusion.adapters import adapter_for_transformer
+
+                    undo_fused = adapter_for_transformer(model).apply_fused_norm_rope(model)
                 if variant.endswith("compiled"):
                     start = time.monotonic()
                     row["compile"] = _compile_and_warm(model, inputs)
@@ -390,6 +397,9 @@ def _run_transformer(budget: _Budget, steps: int, variants):
                 row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
                 row["traceback"] = traceback.format_exc()[-3000:]
                 print(f"[flux step] {variant} failed:\n{row['traceback']}", file=sys.stderr)
+            finally:
+                if undo_fused is not None:
+                    undo_fused()
             rows.append(row)
         model = None
         gc.collect()
@@ -461,7 +471,9 @@ def _markdown(env, linear_rows, step_rows) -> str:
     return "\n".join(lines)
 
 
-STEP_VARIANTS = ("fp8-eager", "fp8-compiled", "int8-eager")
+STEP_VARIANTS = ("fp8-eager", "fp8-eager-fused-norm-rope", "fp8-compiled", "int8-eager")
+# Measured only while time is left (--budget-s).
+_OPTIONAL_STEP_VARIANTS = ("fp8-eager-fused-norm-rope", "int8-eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
