@@ -19,7 +19,9 @@ Variants (each applied to the same model and undone before the next):
 (a) ``eager``: diffusers as it is (its native SDPA attention), eager.
 (b) ``diffusers_compile``: ``transformer.compile_repeated_blocks(fullgraph=True)`` (inductor).
 (c) ``omni_lossless``: ``omni_diffusion.accelerate(AccelConfig(attention="auto", compile=True))``:
-    omni's attention registry (its per-GPU auto choice) + regional compile.
+    omni's attention registry (its per-GPU auto choice) + regional compile; on a GPU its
+    defaults include the family's fused QK-norm + RoPE attention processor
+    (``fused_norm_rope``, auto; (d5) measures (d) without it).
 (d0) ``omni_fp8_unfused``: (c) + ``quant="fp8"`` with ``fuse_projections=False``: every
     q/k/v projection quantizes its input and runs its GEMM on its own.
 (d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization), its
