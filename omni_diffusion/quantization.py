@@ -696,13 +696,13 @@ def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None
                 continue
             # (a tensor-parallel consumer, say, is no QuantizedLinear: its GELU was not folded)
             folded = isinstance(consumer, QuantizedLinear) and consumer.input_activation is not None
+            takes = list(inspect.signature(type(owner).forward).parameters)[1:]
             why = (
                 "its consumer does not apply the folded GELU after the other input"
                 if not folded or consumer.activation_from
                 != consumer.in_features - getattr(source, "out_features", consumer.in_features) else
                 "it already has an instance forward" if "forward" in owner.__dict__ else
-                f"its forward takes {list(inspect.signature(type(owner).forward).parameters)[1:]}, "
-                f"not {wanted}" if list(inspect.signature(type(owner).forward).parameters)[1:] != wanted else
+                f"its forward takes {takes}, not {wanted}" if takes != wanted else
                 None
             )
             if why is not None:
