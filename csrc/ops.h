@@ -19,7 +19,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
     const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
     const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
     const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
-    at::ScalarType out_dtype);
+    at::ScalarType out_dtype, int64_t vectors_per_thread);
 
 // Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
 // [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or

@@ -17,8 +17,8 @@ TORCH_LIBRARY(omni_kernels, ops) {
   // Per-token FP8/INT8 quantization, optionally fused with RMSNorm/LayerNorm and adaLN.
   ops.def(
       "quantize_per_token(Tensor x, Tensor? norm_weight, Tensor? norm_bias, Tensor? mod_scale, "
-      "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype) "
-      "-> (Tensor, Tensor)");
+      "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype, "
+      "int vectors_per_thread=0) -> (Tensor, Tensor)");
   ops.impl("quantize_per_token", torch::kCUDA, &quantize_per_token);
 
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.

@@ -43,13 +43,21 @@ const void* checked_operand(const std::optional<torch::Tensor>& operand, const c
   return t.data_ptr();
 }
 
+// The 16-byte vectors each thread of the row's block owns when the caller leaves it to us: the
+// fewest (1, 2, 4, 8) that keep the block at kMaxThreads or fewer threads.
+int auto_vectors_per_thread(int row_vectors) {
+  int vpt = 1;
+  while (vpt < kMaxVectorsPerThread && (row_vectors + vpt - 1) / vpt > kMaxThreads) vpt *= 2;
+  return vpt;
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
     const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
     const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
     const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
-    at::ScalarType out_dtype) {
+    at::ScalarType out_dtype, int64_t vectors_per_thread) {
   TORCH_CHECK(x.is_cuda(), "quantize_per_token: x must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 2, "quantize_per_token: x must be 2-D [M, K]; got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -96,13 +104,15 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   params.eps = static_cast<float>(eps);
   params.clamp = static_cast<float>(clamp);
 
-  // The fewest vectors a thread (1, 2, 4, 8) that keep the block at kMaxThreads or fewer.
-  int vectors_per_thread = 1;
-  while (vectors_per_thread < kMaxVectorsPerThread &&
-         (params.row_vectors + vectors_per_thread - 1) / vectors_per_thread > kMaxThreads) {
-    vectors_per_thread *= 2;
-  }
-  const int needed = (params.row_vectors + vectors_per_thread - 1) / vectors_per_thread;
+  TORCH_CHECK(vectors_per_thread == 0 || vectors_per_thread == 1 || vectors_per_thread == 2 ||
+                  vectors_per_thread == 4 || vectors_per_thread == 8,
+              "quantize_per_token: vectors_per_thread must be 0 (auto), 1, 2, 4 or 8; got ",
+              vectors_per_thread);
+  const int vpt = vectors_per_thread > 0 ? static_cast<int>(vectors_per_thread)
+                                         : auto_vectors_per_thread(params.row_vectors);
+  const int needed = (params.row_vectors + vpt - 1) / vpt;
+  TORCH_CHECK(needed <= kMaxThreads, "quantize_per_token: vectors_per_thread=", vpt, " needs ",
+              needed, " threads for K=", cols, "; at most ", kMaxThreads, " (use a larger value)");
   const int threads = std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE *
                                                    OMNI_WARP_SIZE);
 
@@ -113,10 +123,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (dtype == torch::kBFloat16) {
     omni::quant::launch_quantize_per_token<__nv_bfloat16>(params, rows, norm_kind, out_kind,
-                                                          vectors_per_thread, threads, stream);
+                                                          vpt, threads, stream);
   } else {
     omni::quant::launch_quantize_per_token<__half>(params, rows, norm_kind, out_kind,
-                                                   vectors_per_thread, threads, stream);
+                                                   vpt, threads, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scale};

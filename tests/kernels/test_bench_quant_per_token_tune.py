@@ -1,0 +1,48 @@
+"""bench/quant_per_token_tune.py on the CPU: the settings, the table, and the refusal without a
+GPU (the timings themselves need one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "quant_per_token_tune.py"
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("quant_per_token_tune", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vectors_per_thread_are_the_ops_values(tune):
+    # 0 is the op's automatic choice; the others are the kernel's instantiations (csrc/quant).
+    assert tune.VECTORS_PER_THREAD == (0, 1, 2, 4, 8)
+    assert set(tune.DEFAULT_SHAPES) <= set(tune.SHAPES)
+    assert all(s.cols % 8 == 0 for s in tune.SHAPES.values())
+
+
+def test_markdown_table(tune):
+    env = dict(device="NVIDIA H200", torch="2.11", cuda="13.0", packages={"triton": "3.6"}, git_commit="abc",
+               utc="now", command="python3 bench/quant_per_token_tune.py")
+    shape = tune.SHAPES["tiny"]
+    rows = [dict(shape="tiny", kind="plain", setting="cuda-auto", us=10.0, gbps=100.0, status="ok"),
+            dict(shape="tiny", kind="plain", setting="cuda-vpt4", us=8.0, gbps=125.0, status="ok"),
+            dict(shape="tiny", kind="plain", setting="cuda-vpt1", status="refused: too many threads"),
+            dict(shape="tiny", kind="layernorm+adaln", setting="cuda-auto", us=20.0, gbps=50.0, status="ok")]
+    table = tune.markdown(env, [shape], rows, "bf16")
+    assert "| cuda-vpt4 | 8.0 | 125 | 1.25x | ok |" in table
+    assert "| cuda-vpt1 | - | - | - | refused: too many threads |" in table
+    assert "## tiny (layernorm+adaln)" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_refuses_without_a_gpu(tune):
+    assert tune.main(["--shapes", "tiny"]) == 2
