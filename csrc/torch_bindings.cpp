@@ -21,6 +21,12 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "int vectors_per_thread=0) -> (Tensor, Tensor)");
   ops.impl("quantize_per_token", torch::kCUDA, &quantize_per_token);
 
+  // The same quantization after a GELU, optionally of cat(prefix, GELU(x)) without the cat.
+  ops.def(
+      "quantize_activated(Tensor x, Tensor? prefix, int activation_from, float clamp, "
+      "ScalarType out_dtype, int vectors_per_thread=0) -> (Tensor, Tensor)");
+  ops.impl("quantize_activated", torch::kCUDA, &quantize_activated);
+
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.
   ops.def("halo_pack(Tensor x, Tensor(a!) send_lo, Tensor(b!) send_hi) -> ()");
   ops.impl("halo_pack", torch::kCUDA, &halo_pack);

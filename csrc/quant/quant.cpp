@@ -1,4 +1,5 @@
-// Host side of the per-token quantization op: argument checks and launch.
+// Host side of the per-token quantization ops (plain/norm-fused, and GELU-fused): argument
+// checks and launch.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -49,6 +50,33 @@ int auto_vectors_per_thread(int row_vectors) {
   int vpt = 1;
   while (vpt < kMaxVectorsPerThread && (row_vectors + vpt - 1) / vpt > kMaxThreads) vpt *= 2;
   return vpt;
+}
+
+// (vectors a thread, threads a block) for a row of `row_vectors` vectors; `requested` 0 is
+// auto_vectors_per_thread's choice, else 1, 2, 4 or 8.
+std::pair<int, int> launch_geometry(const char* op, int row_vectors, int64_t requested,
+                                    int64_t cols) {
+  TORCH_CHECK(requested == 0 || requested == 1 || requested == 2 || requested == 4 ||
+                  requested == 8,
+              op, ": vectors_per_thread must be 0 (auto), 1, 2, 4 or 8; got ", requested);
+  const int vpt = requested > 0 ? static_cast<int>(requested) : auto_vectors_per_thread(row_vectors);
+  const int needed = (row_vectors + vpt - 1) / vpt;
+  TORCH_CHECK(needed <= kMaxThreads, op, ": vectors_per_thread=", vpt, " needs ", needed,
+              " threads for a row of ", cols, " values; at most ", kMaxThreads,
+              " (use a larger value)");
+  const int threads =
+      std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE * OMNI_WARP_SIZE);
+  return {vpt, threads};
+}
+
+// A [rows, K] half-precision operand the kernel reads with 16-byte vectors.
+void check_rows(const torch::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D [M, K]; got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1 && t.stride(0) % kVectorElements == 0 && is_aligned(t), op, ": ",
+              name, " rows must be contiguous and 16-byte aligned (stride(0) a multiple of ",
+              kVectorElements, "); got strides ", t.strides());
+  TORCH_CHECK(t.size(1) % kVectorElements == 0, op, ": ", name, " columns must be a multiple of ",
+              kVectorElements, "; got ", t.size(1));
 }
 
 }  // namespace
@@ -104,17 +132,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   params.eps = static_cast<float>(eps);
   params.clamp = static_cast<float>(clamp);
 
-  TORCH_CHECK(vectors_per_thread == 0 || vectors_per_thread == 1 || vectors_per_thread == 2 ||
-                  vectors_per_thread == 4 || vectors_per_thread == 8,
-              "quantize_per_token: vectors_per_thread must be 0 (auto), 1, 2, 4 or 8; got ",
-              vectors_per_thread);
-  const int vpt = vectors_per_thread > 0 ? static_cast<int>(vectors_per_thread)
-                                         : auto_vectors_per_thread(params.row_vectors);
-  const int needed = (params.row_vectors + vpt - 1) / vpt;
-  TORCH_CHECK(needed <= kMaxThreads, "quantize_per_token: vectors_per_thread=", vpt, " needs ",
-              needed, " threads for K=", cols, "; at most ", kMaxThreads, " (use a larger value)");
-  const int threads = std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE *
-                                                   OMNI_WARP_SIZE);
+  const auto [vpt, threads] =
+      launch_geometry("quantize_per_token", params.row_vectors, vectors_per_thread, cols);
 
   const auto norm_kind = static_cast<omni::quant::NormKind>(norm);
   const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
@@ -127,6 +146,69 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   } else {
     omni::quant::launch_quantize_per_token<__half>(params, rows, norm_kind, out_kind,
                                                    vpt, threads, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scale};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
+    const torch::Tensor& x, const std::optional<torch::Tensor>& prefix, int64_t activation_from,
+    double clamp, at::ScalarType out_dtype, int64_t vectors_per_thread) {
+  constexpr const char* kOp = "quantize_activated";
+  TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kHalf || dtype == torch::kBFloat16, kOp,
+              ": x must be float16 or bfloat16; got ", dtype);
+  TORCH_CHECK(out_dtype == at::ScalarType::Float8_e4m3fn || out_dtype == at::ScalarType::Char, kOp,
+              ": out_dtype must be float8_e4m3fn or int8; got ", out_dtype);
+  check_rows(x, kOp, "x");
+  const int64_t rows = x.size(0), k = x.size(1);
+  int64_t prefix_cols = 0;
+  if (prefix.has_value()) {
+    const torch::Tensor& p = *prefix;
+    TORCH_CHECK(p.device() == x.device() && p.scalar_type() == dtype, kOp,
+                ": prefix must be on ", x.device(), " with x's dtype ", dtype);
+    check_rows(p, kOp, "prefix");
+    TORCH_CHECK(p.size(0) == rows, kOp, ": prefix must have x's ", rows, " rows; got ", p.size(0));
+    TORCH_CHECK(activation_from == 0, kOp,
+                ": activation_from must be 0 with a prefix (the GELU applies to all of x); got ",
+                activation_from);
+    prefix_cols = p.size(1);
+  }
+  TORCH_CHECK(activation_from >= 0 && activation_from < std::max<int64_t>(k, 1), kOp,
+              ": activation_from must be in [0, K=", k, "); got ", activation_from);
+  const int64_t width = prefix_cols + k;
+  TORCH_CHECK(width <= kMaxRowElements, kOp, ": prefix columns + K must be at most ",
+              kMaxRowElements, "; got ", width);
+
+  auto q = torch::empty({rows, width}, x.options().dtype(out_dtype));
+  auto scale = torch::empty({rows, 1}, x.options().dtype(torch::kFloat32));
+  if (rows == 0 || width == 0) return {q, scale};
+
+  omni::quant::Params params{};
+  params.x = x.data_ptr();
+  params.q = q.data_ptr();
+  params.scale = scale.data_ptr<float>();
+  params.prefix = prefix_cols > 0 ? prefix->data_ptr() : nullptr;
+  params.prefix_row_stride = prefix_cols > 0 ? prefix->stride(0) : 0;
+  params.prefix_vectors = static_cast<int>(prefix_cols / kVectorElements);
+  params.gelu_from = static_cast<int>(prefix_cols + activation_from);
+  params.x_row_stride = x.stride(0);
+  params.rows_per_group = rows;
+  params.row_vectors = static_cast<int>(width / kVectorElements);
+  params.cols = static_cast<int>(width);
+  params.clamp = static_cast<float>(clamp);
+  const auto [vpt, threads] = launch_geometry(kOp, params.row_vectors, vectors_per_thread, width);
+
+  const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
+                                                          : omni::quant::OutKind::kFp8E4m3;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (dtype == torch::kBFloat16) {
+    omni::quant::launch_quantize_activated<__nv_bfloat16>(params, rows, out_kind, vpt, threads,
+                                                          stream);
+  } else {
+    omni::quant::launch_quantize_activated<__half>(params, rows, out_kind, vpt, threads, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scale};

@@ -1,7 +1,9 @@
 // Per-token (per-row) quantization to FP8 e4m3 or INT8, optionally fused with the RMSNorm or
-// LayerNorm and the adaLN modulation before it: the kernel template and its launcher.
+// LayerNorm and the adaLN modulation before it, or with the GELU before it (and a prefix read in
+// place of a cat): the kernel template and its launchers.
 //
-// The operation is defined in omni_kernels/quant/reference.py. One thread block per row; each
+// The operation is defined in omni_kernels/quant/reference.py (quantize_per_token_reference, and
+// quantize_activated_reference for the GELU instantiation). One thread block per row; each
 // thread owns kVecs 16-byte vectors (8 fp16/bf16 values each, vector i of thread t is row
 // vector t + i * blockDim.x, so a warp's loads are contiguous). The whole row stays in
 // registers between the passes: LayerNorm's mean and variance (two-pass, exact), the absolute
@@ -84,8 +86,20 @@ struct QuantTraits<OutKind::kInt8> {
   }
 };
 
-template <typename T, OutKind kOut, int kVecs, NormKind kNorm>
+// GELU, tanh approximation, in float32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh
+// written as 1 - 2 / (exp(2u) + 1) (saturates cleanly to +-1 for large |u|), as the Triton kernel
+// (omni_kernels/quant/activated_triton_kernel.py) does.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float t = 1.0f - 2.0f / (expf(2.0f * u) + 1.0f);
+  return 0.5f * x * (1.0f + t);
+}
+
+// kGelu: the row is cat(prefix, x) (prefix optional) with the GELU on columns >= p.gelu_from;
+// only instantiated with NormKind::kNone.
+template <typename T, OutKind kOut, int kVecs, NormKind kNorm, bool kGelu>
 __global__ void __launch_bounds__(kMaxThreads) quantize_per_token_kernel(const Params p) {
+  static_assert(!kGelu || kNorm == NormKind::kNone, "the GELU path has no norm");
   __shared__ float reduce_shared[kMaxThreads / OMNI_WARP_SIZE];
   using Traits = QuantTraits<kOut>;
 
@@ -99,10 +113,29 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_per_token_kernel(const P
   for (int i = 0; i < kVecs; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
     if (idx < p.row_vectors) {
-      load_vector(x_row + static_cast<int64_t>(idx) * kVectorElements, v[i]);
+      if constexpr (kGelu) {
+        const T* src = idx < p.prefix_vectors
+                           ? static_cast<const T*>(p.prefix) + row * p.prefix_row_stride +
+                                 static_cast<int64_t>(idx) * kVectorElements
+                           : x_row + static_cast<int64_t>(idx - p.prefix_vectors) * kVectorElements;
+        load_vector(src, v[i]);
+      } else {
+        load_vector(x_row + static_cast<int64_t>(idx) * kVectorElements, v[i]);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < kVectorElements; ++j) v[i][j] = 0.0f;
+    }
+  }
+
+  if constexpr (kGelu) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int first_col = (threadIdx.x + i * blockDim.x) * kVectorElements;
+#pragma unroll
+      for (int j = 0; j < kVectorElements; ++j) {
+        if (first_col + j >= p.gelu_from) v[i][j] = gelu_tanh(v[i][j]);  // gelu(0) = 0 past the row
+      }
     }
   }
 
@@ -192,23 +225,23 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_per_token_kernel(const P
   }
 }
 
-template <typename T, OutKind kOut, NormKind kNorm>
+template <typename T, OutKind kOut, NormKind kNorm, bool kGelu = false>
 void launch_for_norm(const Params& params, int64_t rows, int vectors_per_thread, int threads,
                      cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows));
   const dim3 block(threads);
   switch (vectors_per_thread) {
     case 1:
-      quantize_per_token_kernel<T, kOut, 1, kNorm><<<grid, block, 0, stream>>>(params);
+      quantize_per_token_kernel<T, kOut, 1, kNorm, kGelu><<<grid, block, 0, stream>>>(params);
       break;
     case 2:
-      quantize_per_token_kernel<T, kOut, 2, kNorm><<<grid, block, 0, stream>>>(params);
+      quantize_per_token_kernel<T, kOut, 2, kNorm, kGelu><<<grid, block, 0, stream>>>(params);
       break;
     case 4:
-      quantize_per_token_kernel<T, kOut, 4, kNorm><<<grid, block, 0, stream>>>(params);
+      quantize_per_token_kernel<T, kOut, 4, kNorm, kGelu><<<grid, block, 0, stream>>>(params);
       break;
     default:
-      quantize_per_token_kernel<T, kOut, 8, kNorm><<<grid, block, 0, stream>>>(params);
+      quantize_per_token_kernel<T, kOut, 8, kNorm, kGelu><<<grid, block, 0, stream>>>(params);
       break;
   }
 }
@@ -238,6 +271,18 @@ void launch_quantize_per_token(const Params& params, int64_t rows, NormKind norm
     launch_for_out<T, OutKind::kFp8E4m3>(params, rows, norm, vectors_per_thread, threads, stream);
   } else {
     launch_for_out<T, OutKind::kInt8>(params, rows, norm, vectors_per_thread, threads, stream);
+  }
+}
+
+template <typename T>
+void launch_quantize_activated(const Params& params, int64_t rows, OutKind out,
+                               int vectors_per_thread, int threads, cudaStream_t stream) {
+  if (out == OutKind::kFp8E4m3) {
+    launch_for_norm<T, OutKind::kFp8E4m3, NormKind::kNone, true>(params, rows, vectors_per_thread,
+                                                                 threads, stream);
+  } else {
+    launch_for_norm<T, OutKind::kInt8, NormKind::kNone, true>(params, rows, vectors_per_thread,
+                                                              threads, stream);
   }
 }
 

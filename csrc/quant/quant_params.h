@@ -33,10 +33,18 @@ struct Params {
   bool norm_bias_fp32;
   bool mod_scale_fp32;
   bool mod_shift_fp32;
+  // Optional prefix [M, prefix_vectors * 8] (unit column stride) read before x: the row is then
+  // cat(prefix, x), without the cat materialized (Flux's single blocks' proj_out input).
+  const void* prefix;       // nullptr: none
+  int64_t prefix_row_stride;  // elements
+  int prefix_vectors;       // prefix columns / kVectorElements (0 without a prefix)
+  // GELU (tanh approximation) applied to the row's columns >= gelu_from (columns of the row
+  // cat(prefix, x)); only with NormKind::kNone and the kernel's kGelu instantiation.
+  int gelu_from;
   int64_t x_row_stride;     // elements
   int64_t rows_per_group;   // M / G: row r uses modulation row r / rows_per_group
-  int row_vectors;          // K / kVectorElements
-  int cols;                 // K
+  int row_vectors;          // (prefix columns + K) / kVectorElements: the row's vectors
+  int cols;                 // prefix columns + K: the row's width (q's columns)
   float eps;
   float clamp;              // <= 0: no clamp
 };
@@ -46,6 +54,12 @@ struct Params {
 // __nv_bfloat16 in quant_{fp16,bf16}.cu.
 template <typename T>
 void launch_quantize_per_token(const Params& params, int64_t rows, NormKind norm, OutKind out,
+                               int vectors_per_thread, int threads, cudaStream_t stream);
+
+// The same kernel without a norm, with the GELU on columns >= params.gelu_from (and the optional
+// prefix): per-token quantization of an activation's output, the activation fused in.
+template <typename T>
+void launch_quantize_activated(const Params& params, int64_t rows, OutKind out,
                                int vectors_per_thread, int threads, cudaStream_t stream);
 
 }  // namespace quant

@@ -12,14 +12,17 @@ only the 8-bit input and its scales are written. Backends:
   ``proj_out`` input ``cat(attention output, GELU(mlp))`` read without its ``cat``),
   the op ``torch.ops.omni_kernels.quantize_activated_concat_triton``, the same kernel
   reading the prefix through its own pointer.
+* ``"cuda"``: omni's CUDA C++ per-token kernel (``csrc/quant``) in its GELU instantiation,
+  through the op ``torch.ops.omni_kernels.quantize_activated``: the row, ``cat(prefix, x)``
+  with or without a prefix, is read once into registers in exact 16-byte vectors (no padding
+  of the row to a power of two, which the Triton kernel's register tile needs), so it moves
+  more bytes a second at Flux's widths. Needs the compiled extension, float16/bfloat16 input,
+  widths that are multiples of 8 (at most 32768 in all) and 16-byte aligned rows.
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
   plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
 
-``"auto"`` takes the Triton kernel where it runs (a CUDA GPU; with FP8, one with
-FP8 tensor cores), else the reference. There is no CUDA C++ version: on the
-H200 the Triton per-token kernel was as fast as the CUDA one at MLP widths
-(bench/results/linear_nvidia-h200_20261129.md: 65.7 vs 60.0 us at Flux's 4608 x
-12288, faster from 32768 rows on).
+``"auto"`` takes the CUDA kernel where it runs, then the Triton kernel (a CUDA GPU;
+with FP8, one with FP8 tensor cores), else the reference; it logs its choice once.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ import torch
 
 from omni_kernels._backend_choice import choose_backend
 from omni_kernels._triton import triton_interpreter_enabled
-from omni_kernels.quant.dispatch import resolve_quant_dtype, triton_ineligible_reason
+from omni_kernels._extension import compiled_extension_error, has_compiled_extension
+from omni_kernels.quant.dispatch import fp8_unsupported_reason, resolve_quant_dtype, triton_ineligible_reason
 from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_activated_reference
 
 logger = logging.getLogger(__name__)
 
-ACTIVATED_QUANTIZE_BACKENDS = ("auto", "triton", "torch")
-_AUTO_ORDER = ("triton", "torch")
+ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
+_AUTO_ORDER = ("cuda", "triton", "torch")
+# csrc/quant/quant_params.h: 16-byte vectors of 8 half-precision values, rows of at most
+# 512 threads x 8 vectors x 8 values.
+_CUDA_VECTOR_ELEMENTS = 8
+_CUDA_MAX_ROW = 512 * 8 * 8
 _logged_auto_choices: set[tuple] = set()
 
 
@@ -75,6 +83,41 @@ def _(prefix, x, clamp, out_dtype):
     rows = x.shape[0]
     return (x.new_empty((rows, prefix.shape[1] + x.shape[1]), dtype=out_dtype),
             x.new_empty((rows, 1), dtype=torch.float32))
+
+
+def _fake_quantize_activated(x, prefix, activation_from, clamp, out_dtype, vectors_per_thread=0):
+    width = x.shape[1] + (prefix.shape[1] if prefix is not None else 0)
+    return x.new_empty((x.shape[0], width), dtype=out_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+if has_compiled_extension():
+    torch.library.register_fake("omni_kernels::quantize_activated")(_fake_quantize_activated)
+
+
+def _cuda_ineligible_reason(x2: torch.Tensor, prefix2: torch.Tensor | None, qdtype: torch.dtype) -> str | None:
+    """Why the CUDA kernel cannot take ``x2`` ``[M, K]`` (and ``prefix2`` ``[M, K0]``), else ``None``."""
+    error = compiled_extension_error()
+    if error is not None:
+        return error
+    if x2.device.type != "cuda":
+        return f"the CUDA kernel needs CUDA tensors; got device {x2.device}"
+    if x2.dtype not in (torch.float16, torch.bfloat16):
+        return f"the CUDA kernel takes float16 or bfloat16; got {x2.dtype}"
+    width = 0
+    for name, t in (("x", x2), ("prefix", prefix2)):
+        if t is None:
+            continue
+        width += t.shape[1]
+        if t.shape[1] % _CUDA_VECTOR_ELEMENTS or t.stride(0) % _CUDA_VECTOR_ELEMENTS:
+            return (f"the CUDA kernel needs {name}'s columns and row stride to be multiples of "
+                    f"{_CUDA_VECTOR_ELEMENTS}; got {t.shape[1]} columns, row stride {t.stride(0)}")
+        if not torch.compiler.is_compiling() and t.storage_offset() % _CUDA_VECTOR_ELEMENTS:
+            return f"the CUDA kernel needs {name} to start 16-byte aligned; got storage offset {t.storage_offset()}"
+    if width > _CUDA_MAX_ROW:
+        return f"the CUDA kernel keeps a row of at most {_CUDA_MAX_ROW} values in registers; got {width}"
+    if qdtype == FP8_DTYPE:
+        return fp8_unsupported_reason(x2.device)
+    return None
 
 
 def check_prefix(prefix: torch.Tensor, x: torch.Tensor) -> None:
@@ -121,14 +164,14 @@ def quantize_activated_per_token(
             (``"gelu_tanh"``: ``F.gelu(x, approximate="tanh")``).
         activation_from: first activated column, ``0 <= activation_from < K``.
         clamp: clip the activated row to ``[-clamp, clamp]`` before its absolute maximum.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"torch"``.
         prefix: ``None``, or ``[..., K0]`` with ``x``'s leading shape, dtype and device:
             columns taken as they are and placed before ``x``'s, without materializing the
             ``cat`` (Flux's single blocks: the attention output before ``GELU(proj_mlp(h))``).
             The activation then applies to all of ``x`` (``activation_from`` must be 0). The
             result is that of ``x = cat([prefix, x], -1)`` with ``activation_from = K0``: bit for
             bit with ``"torch"`` (which materializes the ``cat``: it is the float32 reference),
-            and with ``"triton"`` the same kernel's values. Rows of either may have any stride
+            and with ``"cuda"`` and ``"triton"`` each kernel's own values. Rows of either may have any stride
             (a column slice of a wider tensor is read in place) as long as columns are contiguous.
 
     Returns:
@@ -165,7 +208,8 @@ def quantize_activated_per_token(
     width = k + (prefix.shape[-1] if prefix is not None else 0)
     backend = choose_backend(
         "quantize_activated_per_token", backend, _AUTO_ORDER,
-        lambda name: triton_ineligible_reason(x2, qdtype) if name == "triton" else None,
+        lambda name: (triton_ineligible_reason(x2, qdtype) if name == "triton"
+                      else _cuda_ineligible_reason(x2, prefix2, qdtype) if name == "cuda" else None),
         log_key=(x.device.type, x.dtype, qdtype),
         describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
         logged=_logged_auto_choices, logger=logger,
@@ -175,6 +219,8 @@ def quantize_activated_per_token(
         if prefix2 is not None:
             x2, activation_from = torch.cat([prefix2, x2], -1), prefix2.shape[-1]
         q, scale = quantize_activated_reference(x2, qdtype, activation, activation_from, clamp)
+    elif backend == "cuda":
+        q, scale = torch.ops.omni_kernels.quantize_activated(x2, prefix2, activation_from, clamp_arg, qdtype)
     elif prefix2 is not None:
         q, scale = torch.ops.omni_kernels.quantize_activated_concat_triton(prefix2, x2, clamp_arg, qdtype)
     else:

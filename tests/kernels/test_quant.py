@@ -554,7 +554,8 @@ def test_activated_equals_gelu_then_quantize(inputs):
     (dict(activation_from=64), r"activation_from must be an int in \[0, K=64\)"),
     (dict(activation_from=-1), "activation_from must be an int"),
     (dict(clamp=0.0), "clamp must be None or > 0"),
-    (dict(backend="cuda"), "backend must be one of"),
+    (dict(backend="cutlass"), "backend must be one of"),
+    (dict(backend="cuda"), "backend='cuda' cannot take these inputs: the CUDA kernel needs CUDA tensors"),
     (dict(dtype="fp16"), "dtype must be 'fp8'"),
 ])
 def test_activated_bad_arguments(kwargs, match):
@@ -604,19 +605,22 @@ def test_quantized_linear_with_input_activation(inputs, activation_backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("rows,k,activation_from", [
     pytest.param(4608, 15360, 3072, id="flux-single-proj_out"),
     pytest.param(4096, 12288, 0, id="flux-ff-down"),
     pytest.param(333, 13824, 0, id="wan-ffn-M333"),
     pytest.param(17, 20000, 77, id="chunked-odd"),
 ])
-def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, dtype, qdtype):
+def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, backend, dtype, qdtype):
     """On the GPU, at Flux/Wan MLP widths: scales within float32 rounding, values within one
     step in at most 1% of the elements (the kernel's exp-based tanh vs torch's)."""
+    if backend == "cuda":
+        _require_cuda_extension()
     _require_fp8(qdtype)
     x = inputs.activations((rows, k), dtype, "cuda")
     _poison_cuda_allocator(2 * x.numel())
-    q, scale = quantize_activated_per_token(x, qdtype, activation_from=activation_from, backend="triton")
+    q, scale = quantize_activated_per_token(x, qdtype, activation_from=activation_from, backend=backend)
     torch.cuda.synchronize()
     q_ref, scale_ref = quantize_activated_reference(x, q.dtype, "gelu_tanh", activation_from)
     _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
@@ -624,13 +628,17 @@ def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, dtype
 
 
 @pytest.mark.gpu
-def test_gpu_activated_op_under_inductor(inputs):
-    """Inductor launches the triton_op's kernel from its own code: same output as eager."""
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_activated_op_under_inductor(inputs, backend):
+    """Inductor launches the triton_op's kernel from its own code, and calls the CUDA op: same
+    output as eager."""
+    if backend == "cuda":
+        _require_cuda_extension()
     _require_fp8("fp8")
     x = inputs.activations((4608, 15360), torch.bfloat16, "cuda")
 
     def quantize(t):
-        return quantize_activated_per_token(t, "fp8", activation_from=3072)
+        return quantize_activated_per_token(t, "fp8", activation_from=3072, backend=backend)
 
     eager = quantize(x)
     torch._dynamo.reset()
@@ -742,6 +750,78 @@ def test_activated_recompute_gives_the_same_codes(inputs, dtype, activation_from
     q_ref, scale_ref = quantize_activated_reference(x, torch.int8, "gelu_tanh", activation_from, clamp or None)
     _assert_same_quantization(*again, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01, scale_rtol=1e-5)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", ["fp8", "int8"])
+@pytest.mark.parametrize("lead,k0,k,tail_slice", [
+    pytest.param((3, 5), 24, 40, True, id="B3-S5-K0_24-K40-tail-slice"),
+    pytest.param((4608,), 3072, 12288, False, id="flux-single-proj_out"),
+])
+def test_gpu_cuda_activated_prefix_equals_materialized_cat(inputs, lead, k0, k, tail_slice, qdtype):
+    """The CUDA kernel on (prefix=head, tail) equals it on cat(head, tail) with activation_from=K0
+    bit for bit (the head read through its strided rows), and the float32 reference within one
+    step in at most 1% of the values."""
+    _require_cuda_extension()
+    _require_fp8(qdtype)
+    head, tail, cat = _head_and_tail(inputs, lead, k0, k, torch.bfloat16, "cuda", tail_slice)
+    _poison_cuda_allocator(4 * cat.numel())
+    q, scale = quantize_activated_per_token(tail, qdtype, prefix=head, backend="cuda")
+    q_cat, scale_cat = quantize_activated_per_token(cat, qdtype, activation_from=k0, backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(scale, scale_cat) and _same_bits(q, q_cat)
+    q_ref, scale_ref = quantize_activated_reference(cat.reshape(-1, k0 + k), q.dtype, "gelu_tanh", k0)
+    _assert_same_quantization(q.reshape(-1, k0 + k), scale.reshape(-1, 1), q_ref, scale_ref, max_code_diff=1,
+                              max_diff_fraction=0.01, scale_rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(4608, 3072), (333, 15360), (5, 200)])
+def test_gpu_cuda_vectors_per_thread_change_scheduling_only(inputs, rows, k):
+    """Every vectors_per_thread the ops take gives the automatic choice's codes and scales
+    (plain, LayerNorm + adaLN, and GELU-fused); one that needs too many threads is refused."""
+    _require_cuda_extension()
+    x = inputs.activations((rows, k), torch.bfloat16, "cuda")
+    mod = inputs.activations((1, k), torch.bfloat16, "cuda", outlier_channels=0) * 0.1
+    calls = {
+        "plain": lambda v: torch.ops.omni_kernels.quantize_per_token(
+            x, None, None, None, None, 0, 1e-6, 0.0, torch.int8, v),
+        "layernorm+adaln": lambda v: torch.ops.omni_kernels.quantize_per_token(
+            x, None, None, mod, mod, 2, 1e-6, 0.0, torch.int8, v),
+        "gelu": lambda v: torch.ops.omni_kernels.quantize_activated(x, None, 16, 0.0, torch.int8, v),
+    }
+    for name, call in calls.items():
+        q0, s0 = call(0)
+        for v in (1, 2, 4, 8):
+            if (k // 8 + v - 1) // v > 512:
+                with pytest.raises(RuntimeError, match="vectors_per_thread=.* needs .* threads"):
+                    call(v)
+                continue
+            q, s = call(v)
+            assert torch.equal(s, s0) and torch.equal(q, q0), f"{name}: vectors_per_thread={v} differs"
+    with pytest.raises(RuntimeError, match="vectors_per_thread must be 0 \\(auto\\), 1, 2, 4 or 8; got 3"):
+        calls["gelu"](3)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_cuda_activated_op(inputs):
+    _require_cuda_extension()
+    x = inputs.activations((64, 256), torch.bfloat16, "cuda")
+    head = inputs.activations((64, 48), torch.bfloat16, "cuda")
+    for args in ((x, None, 32, 0.0, torch.int8), (x, head, 0, 3.0, torch.int8)):
+        torch.library.opcheck(torch.ops.omni_kernels.quantize_activated, args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_activated_refuses_what_it_cannot_take(inputs):
+    """auto falls back to Triton for widths that are not multiples of 8; backend='cuda' names why."""
+    _require_cuda_extension()
+    x = inputs.activations((8, 100), torch.bfloat16, "cuda")[:, :99]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        quantize_activated_per_token(x, "int8", backend="cuda")
+    q, scale = quantize_activated_per_token(x, "int8")
+    q_ref, scale_ref = quantize_activated_reference(x, torch.int8, "gelu_tanh", 0)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.05, scale_rtol=1e-5)
 
 def test_activated_prefix_bad_arguments():
     x = torch.randn(4, 64)
