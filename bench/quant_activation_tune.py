@@ -76,9 +76,12 @@ def settings(shape: Shape) -> list[tuple[str, dict]]:
     return out
 
 
-def cuda_settings() -> list[tuple[str, int]]:
-    """``(label, vectors_per_thread)`` of the CUDA kernel, its automatic choice (0) first."""
-    return [("cuda-auto", 0)] + [(f"cuda-vpt{v}", v) for v in (2, 4, 8)]
+CUDA_VECTORS_PER_THREAD = (0, 2, 4, 8)  # 0: the op's automatic choice; 1 cannot hold Flux's rows
+
+
+def cuda_settings(vectors_per_thread=CUDA_VECTORS_PER_THREAD) -> list[tuple[str, int]]:
+    """``(label, vectors_per_thread)`` of the CUDA kernel, in the given order (0: ``cuda-auto``)."""
+    return [(f"cuda-vpt{v}" if v else "cuda-auto", v) for v in vectors_per_thread]
 
 
 def _bench_us(fn) -> float:
@@ -89,7 +92,8 @@ def _bench_us(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: int) -> list[dict]:
+def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: int,
+              cuda_vectors: tuple[int, ...] = CUDA_VECTORS_PER_THREAD) -> list[dict]:
     from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton as launch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -116,9 +120,9 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
 
     if has_compiled_extension() and shape.prefix % 8 == 0 and shape.width % 8 == 0:
         cuda_baseline = None
-        for label, vectors in cuda_settings():
-            def call_cuda(vectors=vectors):
-                return torch.ops.omni_kernels.quantize_activated(x, head, 0, 0.0, out_dtype, vectors)
+        for label, vectors in cuda_settings(cuda_vectors):
+            def call_cuda(vectors=vectors):  # the automatic choice through the op's default
+                return torch.ops.omni_kernels.quantize_activated(x, head, 0, 0.0, out_dtype, *((vectors,) if vectors else ()))
             try:
                 q, scale = call_cuda()
                 if cuda_baseline is None:
@@ -127,7 +131,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
                     q.view(torch.uint8), cuda_baseline[0].view(torch.uint8))
                 us = _bench_us(call_cuda)
                 rows.append(dict(shape=shape.name, setting=label, us=us, gbps=nbytes / us / 1e3,
-                                 same_as_default=same, status="ok" if same else "differs from cuda-auto"))
+                                 same_as_default=same, status="ok" if same else f"differs from {cuda_settings(cuda_vectors)[0][0]}"))
             except RuntimeError as exc:  # a value the row cannot take (too many threads)
                 rows.append(dict(shape=shape.name, setting=label, status=f"refused: {exc}".split("\n")[0][:200]))
     if head is not None:
@@ -165,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cuda-vectors-per-thread", type=int, nargs="*", choices=CUDA_VECTORS_PER_THREAD,
+                        default=list(CUDA_VECTORS_PER_THREAD),
+                        help="the CUDA kernel's settings to time (0: its automatic choice; none: skip it)")
     args = parser.parse_args(argv)
     refusal = gpu_refusal("bench/quant_activation_tune.py")
     if refusal:
@@ -181,7 +188,7 @@ def main(argv=None) -> int:
     shapes = [SHAPES[name] for name in args.shapes]
     rows = []
     for shape in shapes:
-        rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed)
+        rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed, tuple(args.cuda_vectors_per_thread))
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"quant_activation_tune_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"

@@ -61,7 +61,8 @@ def _bench_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int) -> list[dict]:
+def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int,
+              vectors_per_thread: tuple[int, ...] = VECTORS_PER_THREAD) -> list[dict]:
     from torch._library.triton import set_wrap_triton_enabled
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -76,9 +77,10 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int) -> list[
     nbytes = shape.rows * shape.cols * (x.element_size() + 1)
     kind = "layernorm+adaln" if fused else "plain"
     rows, baseline = [], None
-    settings = [(f"cuda-vpt{v}" if v else "cuda-auto", v) for v in VECTORS_PER_THREAD]
+    settings = [(f"cuda-vpt{v}" if v else "cuda-auto", v) for v in vectors_per_thread]
     for label, vpt in settings:
-        call = lambda vpt=vpt: torch.ops.omni_kernels.quantize_per_token(*args, vpt)  # noqa: E731
+        # The automatic choice through the op's default (how omni calls it), the others explicit.
+        call = lambda vpt=vpt: torch.ops.omni_kernels.quantize_per_token(*args, *((vpt,) if vpt else ()))  # noqa: E731
         try:
             q, scale = call()
             if baseline is None:
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vectors-per-thread", type=int, nargs="+", choices=VECTORS_PER_THREAD,
+                        default=list(VECTORS_PER_THREAD), help="the settings to time (0: the automatic choice)")
     args = parser.parse_args(argv)
     refusal = gpu_refusal("bench/quant_per_token_tune.py")
     if refusal:
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         for fused in (False, True):
-            rows += run_shape(shape, fused, dtype, args.seed)
+            rows += run_shape(shape, fused, dtype, args.seed, tuple(args.vectors_per_thread))
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"quant_per_token_tune_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"

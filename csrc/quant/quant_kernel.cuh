@@ -91,7 +91,7 @@ struct QuantTraits<OutKind::kInt8> {
 // (omni_kernels/quant/activated_triton_kernel.py) does.
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  const float t = 1.0f - 2.0f / (expf(2.0f * u) + 1.0f);
+  const float t = 1.0f - 2.0f / (__expf(2.0f * u) + 1.0f);  // ex2.approx, as Triton's tl.exp
   return 0.5f * x * (1.0f + t);
 }
 
