@@ -12,7 +12,8 @@
 * :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
   ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
-  ``"torch"`` (float32 reference).
+  ``"torch"`` (float32 reference); weight-only also ``"triton_gemv"``
+  (:mod:`.triton_gemv`, for ``M <= 16`` rows: :data:`WEIGHT_ONLY_BACKENDS`).
 * :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them
   (:meth:`QuantizedLinear.forward_concat`: the layer on ``cat(head, tail)``); its
   ``activation_backend="auto"`` quantizes with the kernels in eager mode and with
@@ -31,6 +32,7 @@ from omni_kernels.quant.linear import (
     LINEAR_BACKENDS,
     QUANT_METHODS,
     SCALED_MM_ALIGNMENT,
+    WEIGHT_ONLY_BACKENDS,
     QuantizedLinear,
     quantize_weight,
     quantized_linear,
@@ -66,6 +68,7 @@ __all__ = [
     "QUANTIZE_BACKENDS",
     "QUANT_METHODS",
     "SCALED_MM_ALIGNMENT",
+    "WEIGHT_ONLY_BACKENDS",
     "QuantizedLinear",
     "dequantize",
     "fp8_unsupported_reason",

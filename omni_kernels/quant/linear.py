@@ -16,19 +16,24 @@ dequantized weight. The GEMM backends:
   (``w_q * w_scale`` rounded once) and ``F.linear``.
 * ``"triton"``: omni's Triton GEMM (:mod:`.triton_gemm`), dequantization,
   bias and cast fused in its epilogue; takes any shape.
+* ``"triton_gemv"`` (weight-only only, :data:`WEIGHT_ONLY_BACKENDS`): omni's Triton
+  GEMV (:mod:`.triton_gemv`) for ``M <= 16`` rows (an adaLN modulation's one row per
+  sample), which streams the 8-bit weight once at read bandwidth.
 * ``"torch"``: the float32 reference (:mod:`.reference`), for tests; runs anywhere.
 
 ``"auto"`` order (not yet measured on an H200; ``bench/linear.py`` measures
 every pair): FP8 W8A8: aten, triton, torch (CUTLASS row-wise FP8 is the
 fastest FP8 GEMM torch ships). INT8 W8A8: triton, aten, torch (``_int_mm``
 writes an int32 ``[M, N]`` that the separate epilogue reads again).
-Weight-only: triton first for ``M <= 64`` (reads 1 byte a weight), aten
-first above (cuBLAS at bfloat16 speed after one dequantization pass). On CPU:
-aten, then torch (the Triton interpreter is for tests; ask for it with
-``backend="triton"``).
+Weight-only: triton_gemv first for ``M <= 16`` (not yet timed against the
+others: ``bench/linear.py --shapes flux-adaln``), triton first for ``M <= 64``
+(reads 1 byte a weight), aten first above (cuBLAS at bfloat16 speed after one
+dequantization pass). On CPU: aten, then torch (the Triton interpreter is for
+tests; ask for it with ``backend="triton"`` or ``"triton_gemv"``).
 
-Every Triton launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
-(with a fake implementation), and the aten ops have their own, so
+Every Triton GEMM launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
+and every GEMV the ``triton_op`` ``torch.ops.omni_kernels.weight_only_gemv_triton``
+(both with fake implementations), and the aten ops have their own, so
 ``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`. Activation
 quantization with ``activation_backend="auto"`` is the custom CUDA/Triton op in
 eager mode and plain torch ops under ``torch.compile``, so that Inductor fuses it
@@ -67,6 +72,9 @@ from omni_kernels.quant.reference import (
 logger = logging.getLogger(__name__)
 
 LINEAR_BACKENDS = ("auto", "aten", "triton", "torch")
+#: ``backend`` values of :func:`weight_only_mm` (and weight-only layers): :data:`LINEAR_BACKENDS`
+#: and the small-M GEMV.
+WEIGHT_ONLY_BACKENDS = (*LINEAR_BACKENDS, "triton_gemv")
 #: ``activation_backend`` values of a W8A8 layer: :data:`QUANTIZE_BACKENDS` and ``"split"``.
 ACTIVATION_BACKENDS = (*QUANTIZE_BACKENDS, "split")
 # An H200 profile of a compiled Flux step (bench/results/pipeline-profile-flux_nvidia-h200_20261129.md):
@@ -84,6 +92,10 @@ _METHOD_DTYPES = {
 }
 # Weight-only layers with at most this many rows take the Triton GEMM first (memory-bound).
 _WEIGHT_ONLY_SMALL_M = 64
+# ... and with at most this many the Triton GEMV (omni_kernels.quant.triton_gemv.GEMV_MAX_M,
+# not imported from there: that module imports triton).
+GEMV_MAX_M = 16
+_GEMV_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # torch._scaled_mm on CUDA: K and N multiples of 16; torch._int_mm: M > 16, K and N multiples of 8.
 SCALED_MM_ALIGNMENT = 16
 _INT_MM_ALIGNMENT = 8
@@ -113,6 +125,26 @@ def _scaled_mm_triton_op(
 @_scaled_mm_triton_op.register_fake
 def _(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# A triton_op lets Inductor launch the GEMV kernels itself; the Triton interpreter's kernels
+# cannot be traced into (they read data pointers), so under it (CPU tests) the op is opaque.
+_register_triton_op = torch.library.custom_op if triton_interpreter_enabled() else torch.library.triton_op
+
+
+@_register_triton_op("omni_kernels::weight_only_gemv_triton", mutates_args=())
+def _weight_only_gemv_triton_op(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    from omni_kernels.quant.triton_gemv import launch_weight_only_gemv
+
+    return launch_weight_only_gemv(x, w_q, w_scale, bias)
+
+
+@_weight_only_gemv_triton_op.register_fake
+def _(x, w_q, w_scale, bias):
+    # Explicit, so shape propagation never runs the launcher (fake tensors have no data).
+    return x.new_empty((x.shape[0], w_q.shape[0]))
 
 
 # --------------------------------------------------------------------------- weights
@@ -179,6 +211,25 @@ def _aten_weight_only_reason(x, w_q) -> str | None:
     return None
 
 
+def _gemv_reason(x, w_q, bias) -> str | None:
+    """Why the Triton GEMV (:mod:`.triton_gemv`) cannot take these inputs, else ``None``."""
+    m = x.shape[0]
+    if m > GEMV_MAX_M:
+        return f"the GEMV takes M <= {GEMV_MAX_M} rows; got M={m} (the 'triton' or 'aten' GEMM takes any M)"
+    if x.dtype not in _GEMV_X_DTYPES:
+        return f"the GEMV takes x in float16, bfloat16 or float32; got {x.dtype}"
+    if bias is not None and bias.dtype not in (x.dtype, torch.float32):
+        return f"the GEMV takes a bias in x's dtype {x.dtype} or float32; got {bias.dtype}"
+    reason = triton_unavailable_reason(x.device)
+    if reason is not None:
+        return f"the Triton GEMV cannot run: {reason}"
+    if x.device.type == "cpu" and triton_interpreter_enabled() and x.dtype == torch.bfloat16:
+        return "the Triton interpreter's bfloat16 is broken (use float16/float32 on CPU)"
+    if w_q.dtype == FP8_DTYPE and x.device.type == "cuda":
+        return fp8_unsupported_reason(x.device)
+    return None
+
+
 def _auto_order(kind: str, device: torch.device, m: int) -> tuple[str, ...]:
     if device.type != "cuda":
         return ("aten", "torch")
@@ -186,13 +237,17 @@ def _auto_order(kind: str, device: torch.device, m: int) -> tuple[str, ...]:
         return ("aten", "triton", "torch")
     if kind == "int8":
         return ("triton", "aten", "torch")
+    if m <= GEMV_MAX_M:
+        return ("triton_gemv", "triton", "aten", "torch")
     return ("triton", "aten", "torch") if m <= _WEIGHT_ONLY_SMALL_M else ("aten", "triton", "torch")
 
 
-def _choose(kind, backend, reason_of, device, m, what):
-    """The backend to run: ``backend`` itself (``ValueError`` if it cannot), or the first eligible."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"backend must be one of {LINEAR_BACKENDS}; got {backend!r}")
+def _choose(kind, backend, reason_of, device, m, what, allowed=LINEAR_BACKENDS):
+    """The backend to run: ``backend`` itself (``ValueError`` if it cannot), or the first eligible.
+
+    ``"auto"`` logs its choice (and why faster backends were skipped) once per kind of input."""
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
     if backend != "auto":
         reason = reason_of(backend)
         if reason is not None:
@@ -205,7 +260,7 @@ def _choose(kind, backend, reason_of, device, m, what):
         if reasons[candidate] is None:
             chosen = candidate
             break
-    key = (what, kind, chosen, device.type, m <= _WEIGHT_ONLY_SMALL_M)
+    key = (what, kind, chosen, device.type, m <= GEMV_MAX_M, m <= _WEIGHT_ONLY_SMALL_M)
     if key not in _logged_auto_choices and not torch.compiler.is_compiling():
         _logged_auto_choices.add(key)
         skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
@@ -312,13 +367,19 @@ def weight_only_mm(
     """Weight-only GEMM: ``x @ (w_q * w_scale)^T + bias`` as ``[M, N]`` in ``x``'s dtype.
 
     ``x`` ``[M, K]`` float16/bfloat16/float32; ``w_q`` ``[N, K]`` FP8 e4m3 or INT8;
-    ``w_scale`` ``[N]`` float32.
+    ``w_scale`` ``[N]`` float32; ``bias`` ``[N]`` or ``None``. ``backend`` is one of
+    :data:`WEIGHT_ONLY_BACKENDS`; ``"triton_gemv"`` takes ``M <= 16`` rows and a bias in
+    ``x``'s dtype or float32 (``ValueError`` naming what it cannot take).
     """
     if x.dim() != 2 or w_q.dim() != 2 or x.shape[1] != w_q.shape[1]:
         raise ValueError(f"x [M, K] and w_q [N, K] must agree in K; got {tuple(x.shape)}, {tuple(w_q.shape)}")
     if w_q.dtype not in (FP8_DTYPE, INT8_DTYPE):
         raise ValueError(f"w_q must be float8_e4m3fn or int8; got {w_q.dtype}")
     m, n = x.shape[0], w_q.shape[0]
+    if w_scale.numel() != n:
+        raise ValueError(f"w_scale must hold N={n} values; got {tuple(w_scale.shape)}")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias must have N={n} elements; got {tuple(bias.shape)}")
     kind = "fp8_weight_only" if w_q.dtype == FP8_DTYPE else "int8_weight_only"
 
     def reason_of(candidate):
@@ -326,14 +387,19 @@ def weight_only_mm(
             return _aten_weight_only_reason(x, w_q)
         if candidate == "triton":
             return _triton_reason(x, w_q, x.dtype)
+        if candidate == "triton_gemv":
+            return _gemv_reason(x, w_q, bias)
         return None
 
-    chosen = _choose(kind, backend, reason_of, x.device, m, "weight_only_mm")
+    chosen = _choose(kind, backend, reason_of, x.device, m, "weight_only_mm", WEIGHT_ONLY_BACKENDS)
     w_scale = w_scale.reshape(n).float()
     if chosen == "torch":
         return weight_only_linear_reference(x, w_q, w_scale, bias)
     if chosen == "triton":
         return torch.ops.omni_kernels.scaled_mm_triton(x, w_q, None, w_scale, bias, x.dtype)
+    if chosen == "triton_gemv":
+        bias = bias.reshape(n) if bias is not None else None
+        return torch.ops.omni_kernels.weight_only_gemv_triton(x, w_q, w_scale, bias)
     # One pass dequantizes into x's dtype (the scale rounded to it: 2**-9 relative in bfloat16).
     weight = w_q.to(x.dtype) * w_scale.to(x.dtype)[:, None]
     return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
@@ -480,7 +546,9 @@ class QuantizedLinear(nn.Module):
     only: the 8-bit weight and its float32 scales keep their dtypes.
 
     Output dtype = input dtype. W8A8 methods (``"fp8"``, ``"int8"``) quantize
-    the input per token on every call; weight-only methods do not.
+    the input per token on every call; weight-only methods do not. ``backend`` is one
+    of :data:`LINEAR_BACKENDS`, for weight-only methods one of :data:`WEIGHT_ONLY_BACKENDS`
+    (``"triton_gemv"`` then needs at most 16 input rows).
     ``activation_backend`` is one of :data:`ACTIVATION_BACKENDS`; ``split_k``
     (``None``: :data:`DEFAULT_SPLIT_K`) is the widest input that
     ``activation_backend="split"`` quantizes with torch ops under ``torch.compile``
@@ -513,8 +581,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if method not in QUANT_METHODS:
             raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
-        if backend not in LINEAR_BACKENDS:
-            raise ValueError(f"backend must be one of {LINEAR_BACKENDS}; got {backend!r}")
+        allowed = WEIGHT_ONLY_BACKENDS if method.endswith("_weight_only") else LINEAR_BACKENDS
+        if backend not in allowed:
+            raise ValueError(f"backend must be one of {allowed} for method {method!r}; got {backend!r}")
         if activation_backend not in ACTIVATION_BACKENDS:
             raise ValueError(f"activation_backend must be one of {ACTIVATION_BACKENDS}; got {activation_backend!r}")
         self.split_k = check_split_k(split_k, activation_backend)
