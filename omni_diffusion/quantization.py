@@ -24,7 +24,12 @@ Which layers are quantized (:func:`plan_quantization`), for each ``nn.Linear`` b
    ``torch._scaled_mm`` and every 8-bit tensor-core GEMM here needs) -> kept,
    with the reason logged; an error instead when an ``include`` pattern names
    the layer (the caller asked for that very layer);
-5. otherwise quantized.
+5. otherwise quantized, with the method of the first ``layer_methods`` pattern
+   that matches the layer or one of its parents (same matching as ``skip``), else
+   ``method``: e.g. ``layer_methods={"*.norm1.linear": "int8_weight_only"}`` gives
+   Flux's adaLN modulation linears (one input row per sample, a GEMV) 8-bit weights
+   only while every other layer is FP8 W8A8. :func:`save_quantized` records each
+   layer's method and :func:`load_quantized` rebuilds it.
 
 Projections that read one input (an attention's ``to_q``/``to_k``/``to_v``,
 and its ``add_q/k/v_proj`` over the text) can be fused before quantizing
@@ -53,9 +58,10 @@ GELU in its quantization pass (``QuantizedLinear.input_activation``,
 is never written in 16 bits. The GELU is computed in float32 and quantized
 without rounding it to bfloat16 first (the unfused path rounds it once).
 
-A ``skip`` or ``include`` pattern that matches no module at all raises
-``ValueError`` (a typo would otherwise silently quantize a layer meant to stay
-bf16). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
+A ``skip`` or ``include`` pattern that matches no module at all, or a
+``layer_methods`` pattern that matches no linear layer, raises ``ValueError`` (a
+typo would otherwise silently quantize a layer meant to stay bf16, or with the
+wrong method). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
 empty): which layers of Flux, SD3, Wan or Qwen-Image stay in full precision is
 measured per family and passed in by the caller (the runtime's model adapters).
 Typical choices keep the input embedders, the timestep/text embedders and the
@@ -70,6 +76,7 @@ kernels: for tests and reference only).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import inspect
@@ -128,6 +135,15 @@ class QuantConfig:
         method: ``"fp8"`` (FP8 e4m3 weights and per-token activations, W8A8),
             ``"int8"`` (INT8 W8A8), ``"fp8_weight_only"`` or ``"int8_weight_only"``
             (8-bit weights, activations as they are: saves memory, not compute).
+        layer_methods: per-layer exceptions to ``method``: ``(fnmatch pattern, method)``
+            pairs (a dict ``{pattern: method}`` or a list of pairs is accepted and
+            stored as a tuple of pairs, in order); a quantized layer takes the method
+            of the first pattern matching it or one of its parents, else ``method``.
+            ``skip``, ``include`` and ``min_features`` still decide which layers are
+            quantized (a pattern naming only kept layers is logged as a warning). A
+            pattern matching no linear layer raises at :func:`quantize`. Projections
+            are fused only when their three layers get the same method. Through
+            :class:`omni_diffusion.AccelConfig`: ``quant_options={"layer_methods": {...}}``.
         skip: ``fnmatch`` patterns of module names kept in full precision (a
             pattern naming a parent keeps all linears under it). Default: none.
         include: ``None`` (every ``nn.Linear``) or patterns naming the only
@@ -189,10 +205,12 @@ class QuantConfig:
     fuse_projections: bool | None = None
     split_k: int | None = None
     fuse_activations: bool | None = None
+    layer_methods: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
             raise ValueError(f"QuantConfig.method must be one of {QUANT_METHODS}; got {self.method!r}")
+        object.__setattr__(self, "layer_methods", _layer_methods(self.layer_methods))
         object.__setattr__(self, "skip", _patterns("skip", self.skip))
         if self.include is not None:
             object.__setattr__(self, "include", _patterns("include", self.include))
@@ -238,7 +256,12 @@ class QuantConfig:
 
     @property
     def weight_only(self) -> bool:
+        """Whether ``method`` (the default method) is weight-only."""
         return self.method.endswith("_weight_only")
+
+    def method_for(self, name: str) -> str:
+        """The method of linear layer ``name``: the first matching ``layer_methods`` pattern's, else ``method``."""
+        return next((m for pattern, m in self.layer_methods if _matches(name, pattern)), self.method)
 
     @property
     def fuses_activations(self) -> bool:
@@ -268,6 +291,7 @@ class QuantConfig:
     def to_dict(self) -> dict:
         """A JSON-serializable dict that :meth:`from_dict` turns back into this config."""
         data = dataclasses.asdict(self)
+        data["layer_methods"] = [list(pair) for pair in self.layer_methods]
         data["skip"] = list(self.skip)
         data["include"] = list(self.include) if self.include is not None else None
         return data
@@ -278,6 +302,30 @@ class QuantConfig:
             backend=self.backend, activation_backend=self.activation_backend, clamp=self.clamp,
             fast_accum=self.fast_accum, split_k=self.split_k,
         )
+
+
+def _layer_methods(value) -> tuple[tuple[str, str], ...]:
+    """``layer_methods`` as a tuple of ``(pattern, method)`` pairs; ``ValueError`` naming the bad entry."""
+    if isinstance(value, dict):
+        value = list(value.items())
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"QuantConfig.layer_methods must be a dict {{pattern: method}} or a list of (pattern, method) "
+            f"pairs; got {value!r}"
+        )
+    pairs = []
+    for entry in value:
+        if isinstance(entry, str) or not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise ValueError(f"QuantConfig.layer_methods entries must be (pattern, method) pairs; got {entry!r}")
+        pattern, method = entry
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"QuantConfig.layer_methods patterns must be non-empty strings; got {pattern!r}")
+        if method not in QUANT_METHODS:
+            raise ValueError(
+                f"QuantConfig.layer_methods[{pattern!r}] must be one of {QUANT_METHODS}; got {method!r}"
+            )
+        pairs.append((pattern, method))
+    return tuple(pairs)
 
 
 def _patterns(name: str, value) -> tuple[str, ...]:
@@ -300,6 +348,7 @@ class LayerPlan:
     reason: str
     in_features: int
     out_features: int
+    method: str | None = None  # the layer's method (QuantConfig.method_for) when quantized
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -327,19 +376,24 @@ def plan_quantization(module: nn.Module, config: QuantConfig) -> list[LayerPlan]
     """The decision for every ``nn.Linear`` of ``module``, in module order (see the module docstring).
 
     Raises:
-        ValueError: a ``skip``/``include`` pattern matches no module, or an
-            ``include``d layer has a shape the kernels cannot take.
+        ValueError: a ``skip``/``include`` pattern matches no module, a ``layer_methods``
+            pattern no linear layer, or an ``include``d layer has a shape the kernels cannot take.
     """
     config = QuantConfig.from_dict(config)
     all_names = [name for name, _ in module.named_modules()]
+    linear_names = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
     model = type(module).__name__
-    for field_name, patterns in (("skip", config.skip), ("include", config.include or ())):
-        missing = _unmatched(patterns, all_names)
+    for field_name, patterns, names, what in (
+        ("skip", config.skip, all_names, "module"),
+        ("include", config.include or (), all_names, "module"),
+        ("layer_methods", [pattern for pattern, _ in config.layer_methods], linear_names, "linear layer"),
+    ):
+        missing = _unmatched(patterns, names)
         if missing:
-            examples = ", ".join(repr(n) for n in all_names[1:6])
+            examples = ", ".join(repr(n) for n in names[1 if names is all_names else 0:][:5])
             raise ValueError(
-                f"QuantConfig.{field_name} pattern(s) {missing} match no module of {model} "
-                f"(module names look like {examples}, ...)"
+                f"QuantConfig.{field_name} pattern(s) {missing} match no {what} of {model} "
+                f"({what} names look like {examples}, ...)"
             )
     plans = []
     for name, child in module.named_modules():
@@ -372,18 +426,34 @@ def plan_quantization(module: nn.Module, config: QuantConfig) -> list[LayerPlan]
         if not child.weight.is_floating_point():
             plans.append(LayerPlan(name, "keep", f"weight dtype {child.weight.dtype} is not floating point", **sizes))
             continue
-        plans.append(LayerPlan(name, "quantize", config.method, **sizes))
+        method = config.method_for(name)
+        plans.append(LayerPlan(name, "quantize", method, **sizes, method=method))
     return plans
 
 
+def _warn_idle_layer_methods(plans: list[LayerPlan], config: QuantConfig) -> None:
+    """Warn about ``layer_methods`` patterns whose layers are all kept in full precision (by
+    ``skip``, say: a family adapter's skip list wins over the caller's methods)."""
+    for pattern, method in config.layer_methods:
+        named = [p for p in plans if _matches(p.name, pattern)]
+        if named and all(p.action == "keep" for p in named):
+            logger.warning("quantize: QuantConfig.layer_methods pattern %r (%s) changes nothing: every layer it "
+                           "names is kept in full precision (%s: %s)", pattern, method, named[0].name,
+                           named[0].reason)
+
+
 def _check_hardware(module: nn.Module, plans: list[LayerPlan], config: QuantConfig) -> None:
-    if not config.method.startswith("fp8"):
-        return
-    devices = {module.get_submodule(p.name).weight.device for p in plans if p.action == "quantize"}
-    for device in sorted(devices, key=str):
+    first_fp8 = {}  # device -> the first plan asking FP8 of a layer there
+    for plan in plans:
+        if plan.action == "quantize" and plan.method.startswith("fp8"):
+            first_fp8.setdefault(module.get_submodule(plan.name).weight.device, plan)
+    for device in sorted(first_fp8, key=str):
         reason = fp8_unsupported_reason(device)
         if reason is not None:
-            raise RuntimeError(f"QuantConfig.method={config.method!r}: {reason}")
+            plan = first_fp8[device]
+            asked = (f"QuantConfig.method={config.method!r}" if plan.method == config.method else
+                     f"QuantConfig.layer_methods gives {plan.name!r} {plan.method!r}")
+            raise RuntimeError(f"{asked}: {reason}")
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -448,7 +518,8 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
     a :class:`~omni_diffusion.adapters.base.ModelAdapter`; default the
     registered family of ``module``'s class, none: nothing is fused), whose
     q/k/v (and added q/k/v) layers :func:`plan_quantization` all quantizes, and
-    for which the adapter has a processor that reads fused projections. Empty
+    for which the adapter has a processor that reads fused projections. A triple
+    whose layers get different methods (``layer_methods``) is not fused. Empty
     when ``config.fuses_projections`` is off.
     """
     config = QuantConfig.from_dict(config)
@@ -456,7 +527,7 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
     if not config.fuses_projections or adapter is None or not adapter.fusable_attention:
         return []
     plans = plan_quantization(module, config) if plans is None else plans
-    quantized = {p.name for p in plans if p.action == "quantize"}
+    quantized = {p.name: p.method for p in plans if p.action == "quantize"}
     names = []
     for name, attn in module.named_modules():
         if not name or not any(fnmatch.fnmatchcase(name, p) for p in adapter.fusable_attention):
@@ -465,6 +536,10 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
         if groups is None:
             continue
         if any(f"{name}.{m}" not in quantized for _, members in groups for m in members):
+            continue
+        methods = {(fused, quantized[f"{name}.{m}"]) for fused, members in groups for m in members}
+        if len(methods) != len(groups):
+            logger.debug("quantize: not fusing %s: layer_methods gives its projections different methods", name)
             continue
         if adapter.fused_attention_processor(attn) is None:
             logger.debug("quantize: not fusing %s: the %s adapter has no fused processor for %s",
@@ -741,11 +816,11 @@ def fused_activations(module: nn.Module) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- quantize
 
 
-def _swap_linear(module: nn.Module, name: str, config: QuantConfig, options: dict) -> nn.Module | None:
+def _swap_linear(module: nn.Module, name: str, method: str, options: dict) -> nn.Module | None:
     """Replace linear ``name`` by its :class:`QuantizedLinear`; returns it when ``name`` is the root."""
     linear = module.get_submodule(name)
     with torch.no_grad():
-        new = QuantizedLinear.from_linear(linear, config.method, **options)
+        new = QuantizedLinear.from_linear(linear, method, **options)
     new.train(linear.training)
     if name:
         _replace(module, name, new)
@@ -778,10 +853,12 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     """
     config = QuantConfig() if config is None else QuantConfig.from_dict(config)
     plans = plan_quantization(module, config)
+    _warn_idle_layer_methods(plans, config)
     _check_hardware(module, plans, config)
     if config.fuses_projections or config.fuses_activations:  # both read the family's declarations
         adapter = _resolve_adapter(module, adapter)
     fusing = plan_fusion(module, config, adapter, plans)
+    method_of = {p.name: p.method for p in plans}
     member_of = {f"{a}.{m}": a for a in fusing for _, members in _fusion_groups(module.get_submodule(a))
                  for m in members}
     options = config.layer_options()
@@ -796,16 +873,18 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
                 continue
             attn_name = member_of.get(plan.name)
             if attn_name is None:
-                replaced = _swap_linear(module, plan.name, config, options) or replaced
+                replaced = _swap_linear(module, plan.name, plan.method, options) or replaced
                 continue
             if attn_name in done:
                 continue  # its fused layers are already quantized
             done.add(attn_name)
             fused.append(_fuse_attention(module, attn_name, adapter))
             attn = module.get_submodule(attn_name)
-            for fused_name, _ in _FUSED_PROJECTIONS:
+            for fused_name, members in _FUSED_PROJECTIONS:
                 if fused_name in attn._modules:
-                    _swap_linear(module, f"{attn_name}.{fused_name}", config, options)
+                    # plan_fusion fuses only triples whose members share one method
+                    method = method_of[f"{attn_name}.{members[0]}"]
+                    _swap_linear(module, f"{attn_name}.{fused_name}", method, options)
     except BaseException:  # put the separate projections back: the caller may restore the rest
         for record, removed in reversed(fused):
             _unfuse_attention(module, record, removed)
@@ -820,9 +899,11 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
         folded = sites
         install_concat_free_forwards(module, adapter)
     kept = [p for p in plans if p.action == "keep"]
+    others = collections.Counter(p.method for p in plans if p.action == "quantize" and p.method != config.method)
     logger.info(
-        "quantize: %s: %d of %d linear layers to %s%s%s; %d kept in full precision%s",
+        "quantize: %s: %d of %d linear layers to %s%s%s%s; %d kept in full precision%s",
         type(module).__name__, len(plans) - len(kept), len(plans), config.method,
+        f" ({', '.join(f'{n} to {m}' for m, n in others.items())} by layer_methods)" if others else "",
         f" ({len(fused)} attention modules' q/k/v fused)" if fused else "",
         f" ({len(folded)} GELUs folded into their consumers' quantization)" if folded else "", len(kept),
         (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
@@ -860,6 +941,33 @@ def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConf
     save_file(tensors, os.fspath(path), metadata=metadata)
 
 
+def _unfused_name(name: str) -> str:
+    """A fused projection's first member (``attn.to_qkv`` -> ``attn.to_q``); other names as they are."""
+    parent, _, last = name.rpartition(".")
+    for fused, members in _FUSED_PROJECTIONS:
+        if last == fused:
+            return f"{parent}.{members[0]}" if parent else members[0]
+    return name
+
+
+def _check_methods_match(config: QuantConfig, layers: dict[str, str], path: str) -> None:
+    """``ValueError`` unless every layer of the file has the method ``config`` gives it."""
+    wrong = {name: (method, config.method_for(_unfused_name(name))) for name, method in layers.items()
+             if method != config.method_for(_unfused_name(name))}
+    if not wrong:
+        return
+    if not config.layer_methods:
+        raise ValueError(
+            f"QuantConfig.method={config.method!r} does not match {path}, whose layers are "
+            f"{sorted(set(layers.values()))}"
+        )
+    shown = "; ".join(f"{name}: file {got!r}, config {want!r}" for name, (got, want) in list(wrong.items())[:4])
+    raise ValueError(
+        f"QuantConfig (method={config.method!r}, layer_methods={list(config.layer_methods)}) does not "
+        f"match {path} for {len(wrong)} layer(s): {shown}{'; ...' if len(wrong) > 4 else ''}"
+    )
+
+
 def load_quantized(
     module: nn.Module,
     path: str | os.PathLike,
@@ -877,7 +985,8 @@ def load_quantized(
     allocates the full-precision weights; non-persistent buffers, which no
     ``state_dict`` holds, must then be materialized by the caller). ``device``: where the tensors go;
     default the skeleton's device (CPU for ``meta``). ``config``: optional;
-    its method must match the file's, its backend options apply to the layers
+    its method (``method_for`` each layer: ``layer_methods`` included) must match the
+    file's, its backend options apply to the layers
     (default: the options saved in the file, else the defaults). Attention
     modules the file has fused projections for are fused in ``module`` first,
     with ``adapter``'s processors (default: the adapter of ``module``'s class),
@@ -903,11 +1012,7 @@ def load_quantized(
     )
     if config is not None:
         config = QuantConfig.from_dict(config)
-        methods = sorted(set(layers.values()))
-        if methods != [config.method]:
-            raise ValueError(
-                f"QuantConfig.method={config.method!r} does not match {path}, whose layers are {methods}"
-            )
+        _check_methods_match(config, layers, path)
     options = (config or saved_config or QuantConfig()).layer_options()
 
     if device is None:
