@@ -12,11 +12,19 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
   the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM.
 * ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
   ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
-* ``omni-{fp8,int8}-wo-{aten,triton}``: weight-only layers.
+* ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}``: weight-only layers (``triton_gemv``:
+  omni's GEMV for ``M <= 16``, skipped at the larger shapes).
 * ``torchao-fp8-dynamic``: torchao's ``Float8DynamicActivationFloat8WeightConfig``
   (per-row), when torchao imports; recorded as unavailable otherwise.
 * ``quant-cuda`` / ``quant-triton``: the activation quantization alone (FP8), and
   ``gemm-fp8-aten`` the FP8 GEMM alone: where the W8A8 time goes.
+
+Opt-in shape group ``flux-adaln`` (``--shapes flux-adaln``; not in the default run): Flux's adaLN
+modulation linears, one row per sample (``M`` = batch = 1 or 2): ``transformer_blocks.*.norm1.linear``
+/ ``norm1_context.linear`` 3072 -> 18432 and ``single_transformer_blocks.*.norm.linear`` 3072 -> 9216.
+They are bound by reading the weight: their tables give the weight's read bandwidth (bytes of the
+weight, 8-bit plus its float32 scales or bf16, over the median time) instead of TFLOP/s, and compare
+bf16 ``F.linear`` with the weight-only layers (and ``omni-fp8``/``omni-int8`` W8A8 for reference).
 
 Every W8A8 time includes the activation quantization. Times are
 ``triton.testing.do_bench`` medians (L2 flushed before each call). ``rel err`` is
@@ -38,6 +46,7 @@ optional measurements (the extra linear variants, the INT8 step) and ``--hard-bu
 skipped is recorded.
 
     python3 bench/linear.py [--shapes flux wan] [--skip-transformer] [--out-dir DIR]
+    python3 bench/linear.py --shapes flux-adaln --skip-transformer   # the modulation GEMVs alone
 """
 
 from __future__ import annotations
@@ -84,7 +93,18 @@ SHAPES = {
         LinearShape("wan14b-5120x13824", "Wan2.1-14B 720p 81f (FFN up)", 75600, 5120, 13824),
         LinearShape("wan14b-13824x5120", "Wan2.1-14B 720p 81f (FFN down)", 75600, 13824, 5120),
     ],
+    # Opt-in (not in DEFAULT_SHAPE_GROUPS): one row per sample, a GEMV bound by the weight read.
+    "flux-adaln": [
+        LinearShape(f"flux-adaln-{kind}-M{m}", f"Flux.1 adaLN modulation ({where}), batch {m}", m, 3072, n)
+        for kind, where, n in (
+            ("double", "transformer_blocks.*.norm1(_context).linear", 18432),
+            ("single", "single_transformer_blocks.*.norm.linear", 9216),
+        )
+        for m in (1, 2)
+    ],
 }
+# What a run without --shapes measures (the groups before the opt-in ones were added).
+DEFAULT_SHAPE_GROUPS = ("flux", "wan")
 
 # The issue's comparison first (bf16, omni FP8, omni INT8, torchao), then the rows that say where
 # the time goes and which backend "auto" should prefer.
@@ -92,13 +112,38 @@ ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
 VARIANTS = ESSENTIAL + (
     "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton",
     "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
-    "omni-int8-wo-triton",
+    "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv",
 )
 # Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
 _WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast"}
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
 ERROR_ROWS = 2048
 DEVICE = "cuda"
+# The GEMV takes at most this many rows (omni_kernels.quant.linear.GEMV_MAX_M).
+GEMV_MAX_M = 16
+_GEMV_VARIANTS = {"omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv"}
+# At the modulation shapes: bf16, the weight-only layers, and the W8A8 layers for reference
+# (the activation-quantization-only and torchao rows say nothing about a GEMV).
+_ADALN_VARIANTS = {"bf16", "omni-fp8", "omni-int8"} | {v for v in VARIANTS if "-wo-" in v}
+
+
+def _variants_for(group: str, shape: LinearShape, variants) -> list[str]:
+    """The variants of ``variants`` that make sense at ``shape`` of ``group``."""
+    chosen = [v for v in variants if not (group == "wan" and v in _WAN_SKIPS)]
+    if group == "flux-adaln":
+        chosen = [v for v in chosen if v in _ADALN_VARIANTS]
+    if shape.m > GEMV_MAX_M:
+        chosen = [v for v in chosen if v not in _GEMV_VARIANTS]
+    return chosen
+
+
+def _weight_bytes(variant: str, shape: LinearShape) -> int | None:
+    """Bytes of the weight a layer variant reads (8-bit + float32 scales, or bf16); None otherwise."""
+    if variant == "bf16":
+        return 2 * shape.n * shape.k
+    if variant.startswith("omni-") or variant == "torchao-fp8-dynamic":
+        return shape.n * shape.k + 4 * shape.n
+    return None
 
 
 class _Unavailable(Exception):
@@ -218,6 +263,9 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
                 del out
                 row["median_us"] = _bench(call)
             row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
+            weight_bytes = _weight_bytes(variant, shape) if is_layer else None
+            if weight_bytes is not None:
+                row["weight_gbps"] = weight_bytes / (row["median_us"] * 1e-6) / 1e9
             row["status"] = "ok"
             if variant == "bf16":
                 baseline_us = row["median_us"]
@@ -427,17 +475,22 @@ def _markdown(env, linear_rows, step_rows) -> str:
     ]
     for shape in dict.fromkeys(r["shape"] for r in linear_rows):
         first = next(r for r in linear_rows if r["shape"] == shape)
+        # A GEMV's measure is the weight's read bandwidth, not TFLOP/s.
+        gemv = first["m"] <= GEMV_MAX_M
         lines += [
             f"## {shape}: {first['model']}, M={first['m']}, K={first['k']}, N={first['n']}",
             "",
-            "| variant | median us | TFLOP/s | speedup vs bf16 | rel err | status |",
+            f"| variant | median us | {'weight GB/s' if gemv else 'TFLOP/s'} | speedup vs bf16 | rel err | status |",
             "| --- | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in linear_rows:
             if r["shape"] != shape:
                 continue
             if r.get("status") == "ok":
-                tflops = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
+                if gemv:
+                    tflops = f"{r['weight_gbps']:.0f}" if r.get("weight_gbps") else "-"
+                else:
+                    tflops = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
                 speed = f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-"
                 err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
                 lines.append(f"| {r['variant']} | {r['median_us']:.1f} | {tflops} | {speed} | {err} | ok |")
@@ -478,7 +531,8 @@ _OPTIONAL_STEP_VARIANTS = ("fp8-eager-fused-norm-rope", "int8-eager")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(DEFAULT_SHAPE_GROUPS),
+                        help=f"shape groups (default: {' '.join(DEFAULT_SHAPE_GROUPS)}; 'flux-adaln' is opt-in)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="linear-layer variants (bf16 is the baseline and always runs first)")
     parser.add_argument("--step-variants", nargs="+", choices=STEP_VARIANTS, default=list(STEP_VARIANTS))
@@ -517,7 +571,7 @@ def main(argv=None) -> int:
     linear_rows = []
     for group in args.shapes:
         for shape in SHAPES[group]:
-            chosen = [v for v in variants if not (group == "wan" and v in _WAN_SKIPS)]
+            chosen = _variants_for(group, shape, variants)
             try:
                 linear_rows += _run_linear_shape(shape, chosen, args.seed, budget)
             except Exception as exc:  # inputs did not fit, say: record and go on

@@ -1,0 +1,65 @@
+"""bench/linear.py's shape and variant selection and its tables, on the CPU (the timings need a
+GPU): the opt-in modulation GEMV shapes leave the default run as it was."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # bench/ on the path, as when the script runs: it imports bench/_environment.py by that name
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("linear")
+
+
+def test_default_shapes_unchanged_and_modulation_shapes_opt_in(bench):
+    assert bench.parse_args([]).shapes == ["flux", "wan"]
+    assert bench.parse_args(["--shapes", "flux-adaln"]).shapes == ["flux-adaln"]
+    shapes = {(s.name, s.m, s.k, s.n) for s in bench.SHAPES["flux-adaln"]}
+    assert shapes == {
+        ("flux-adaln-double-M1", 1, 3072, 18432), ("flux-adaln-double-M2", 2, 3072, 18432),
+        ("flux-adaln-single-M1", 1, 3072, 9216), ("flux-adaln-single-M2", 2, 3072, 9216),
+    }
+
+
+def test_variants_per_shape(bench):
+    from omni_kernels.quant.linear import GEMV_MAX_M
+
+    assert bench.GEMV_MAX_M == GEMV_MAX_M
+    variants = ["bf16", *[v for v in bench.VARIANTS if v != "bf16"]]
+    flux = bench._variants_for("flux", bench.SHAPES["flux"][0], variants)
+    wan = bench._variants_for("wan", bench.SHAPES["wan"][0], variants)
+    gemv = {"omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv"}
+    # The large-M groups measure what they measured before: no GEMV rows (M > 16).
+    assert not gemv & set(flux) and not gemv & set(wan)
+    assert flux == [v for v in variants if v not in gemv]
+    adaln = bench._variants_for("flux-adaln", bench.SHAPES["flux-adaln"][0], variants)
+    assert adaln == ["bf16", "omni-fp8", "omni-int8", "omni-fp8-wo-aten", "omni-fp8-wo-triton",
+                     "omni-int8-wo-aten", "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv",
+                     "omni-int8-wo-triton_gemv"]
+
+
+def test_weight_bytes_and_gemv_table(bench):
+    shape = bench.SHAPES["flux-adaln"][0]
+    assert bench._weight_bytes("bf16", shape) == 2 * 3072 * 18432
+    assert bench._weight_bytes("omni-int8-wo-triton_gemv", shape) == 3072 * 18432 + 4 * 18432
+    assert bench._weight_bytes("quant-cuda", shape) is None
+    env = dict(device="NVIDIA H200", torch="2.11", cuda="13.0", packages={}, git_commit="abc", utc="now",
+               command="python3 bench/linear.py --shapes flux-adaln")
+    common = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, status="ok", rel_err=1e-3)
+    rows = [dict(common, variant="bf16", median_us=40.0, tflops=0.003, weight_gbps=2831.0),
+            dict(common, variant="omni-int8-wo-triton_gemv", median_us=20.0, tflops=0.006, weight_gbps=2835.0,
+                 speedup_vs_bf16=2.0)]
+    table = bench._markdown(env, rows, [])
+    assert "| variant | median us | weight GB/s | speedup vs bf16 | rel err | status |" in table
+    assert "| omni-int8-wo-triton_gemv | 20.0 | 2835 | 2.00x | 1.00e-03 | ok |" in table
+    large = dict(common, shape="flux-3072x3072", m=4608, n=3072, variant="bf16", median_us=100.0, tflops=800.0)
+    assert "| variant | median us | TFLOP/s |" in bench._markdown(env, [large], [])
