@@ -176,9 +176,8 @@ class QuantConfig:
             (d0) compare the two.
         fuse_activations: fold the GELUs the model's adapter declares
             (module docstring) into the W8A8 layer reading their output. ``None``
-            (default): on for W8A8 methods unless ``activation_backend="cuda"``
-            (the fused quantization has Triton and torch backends only); ``True``
-            with a weight-only method or ``"cuda"`` is an error.
+            (default): on for W8A8 methods; ``True`` with a weight-only method is
+            an error.
 
     ``activation_backend="auto"`` runs omni's CUDA/Triton kernel in eager mode
     and, under ``torch.compile``, the reference's plain torch ops, which Inductor
@@ -248,11 +247,6 @@ class QuantConfig:
                 f"QuantConfig.fuse_activations=True needs a W8A8 method (it folds a GELU into the "
                 f"activation quantization); got method {self.method!r}"
             )
-        if self.fuse_activations and self.activation_backend == "cuda":
-            raise ValueError(
-                "QuantConfig.fuse_activations=True: the GELU-fused quantization has Triton and torch "
-                "backends only; got activation_backend='cuda' (use 'auto', 'split', 'triton' or 'torch')"
-            )
 
     @property
     def weight_only(self) -> bool:
@@ -268,7 +262,7 @@ class QuantConfig:
         """``fuse_activations`` with ``None`` resolved (module docstring)."""
         if self.fuse_activations is not None:
             return self.fuse_activations
-        return not self.weight_only and self.activation_backend != "cuda"
+        return not self.weight_only
 
     @property
     def fuses_projections(self) -> bool:

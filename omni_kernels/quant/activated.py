@@ -21,8 +21,8 @@ only the 8-bit input and its scales are written. Backends:
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
   plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
 
-``"auto"`` takes the CUDA kernel where it runs, then the Triton kernel (a CUDA GPU;
-with FP8, one with FP8 tensor cores), else the reference; it logs its choice once.
+``"auto"`` takes the Triton kernel where it runs (a CUDA GPU; with FP8, one with FP8 tensor
+cores), then the CUDA kernel, else the reference; it logs its choice once.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_
 logger = logging.getLogger(__name__)
 
 ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-_AUTO_ORDER = ("cuda", "triton", "torch")
+# Triton first: on the H200 its kernel was faster than the CUDA one at Flux's widths (GELU on
+# 4608 x (3072 + 12288): 110 vs 165 us, bench/results/quant_activation_tune_*_20261130.md),
+# and under torch.compile Inductor launches it from its own code (the CUDA op is an opaque call).
+_AUTO_ORDER = ("triton", "cuda", "torch")
 # csrc/quant/quant_params.h: 16-byte vectors of 8 half-precision values, rows of at most
 # 512 threads x 8 vectors x 8 values.
 _CUDA_VECTOR_ELEMENTS = 8

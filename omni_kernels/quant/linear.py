@@ -459,17 +459,17 @@ def resolve_activation_backend(activation_backend: str, k: int | None = None,
 
 def activated_quantize_backend(activation_backend: str) -> str:
     """The :func:`~omni_kernels.quant.quantize_activated_per_token` backend of a layer whose
-    ``activation_backend`` is this: ``"torch"`` and ``"triton"`` as they are; ``"auto"`` and
-    ``"split"`` are ``"auto"`` in eager mode and under ``torch.compile`` alike (the fused
-    kernel reads the pre-activation once, which is what Inductor's own fusion of a wide GELU
-    and quantization did not manage). ``"cuda"`` raises: there is no CUDA C++ version."""
+    ``activation_backend`` is this: ``"cuda"``, ``"triton"`` and ``"torch"`` as they are;
+    ``"auto"`` and ``"split"`` are ``"auto"`` in eager mode and under ``torch.compile`` alike
+    (the fused kernel reads the pre-activation once, which is what Inductor's own fusion of a
+    wide GELU and quantization did not manage)."""
     if activation_backend in ("auto", "split"):
         return "auto"
-    if activation_backend in ("torch", "triton"):
+    if activation_backend in ("cuda", "torch", "triton"):
         return activation_backend
     raise ValueError(
-        f"input_activation: the activation-fused quantization has Triton and torch backends only; "
-        f"activation_backend={activation_backend!r} (allowed with it: 'auto', 'split', 'triton', 'torch')"
+        f"input_activation: the activation-fused quantization has CUDA, Triton and torch backends; "
+        f"activation_backend={activation_backend!r} (allowed with it: 'auto', 'split', 'cuda', 'triton', 'torch')"
     )
 
 

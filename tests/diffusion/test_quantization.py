@@ -717,13 +717,12 @@ def test_fold_needs_a_w8a8_consumer_and_a_tanh_gelu():
 
 @pytest.mark.parametrize("fields,match", [
     (dict(method="int8_weight_only", fuse_activations=True), "needs a W8A8 method"),
-    (dict(activation_backend="cuda", fuse_activations=True), "Triton and torch backends only"),
     (dict(fuse_activations="yes"), "fuse_activations must be True, False or None"),
 ])
 def test_fuse_activations_config_errors(fields, match):
     with pytest.raises(ValueError, match=match):
         QuantConfig(**fields)
-    assert QuantConfig(activation_backend="cuda").fuses_activations is False
+    assert QuantConfig(activation_backend="cuda").fuses_activations is True  # csrc/quant has a GELU kernel
     assert QuantConfig().fuses_activations and not QuantConfig(method="fp8_weight_only").fuses_activations
 
 

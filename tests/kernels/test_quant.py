@@ -596,8 +596,11 @@ def test_quantized_linear_with_input_activation(inputs, activation_backend):
     assert "input_activation='gelu_tanh', activation_from=32" in repr(layer)
     with pytest.raises(ValueError, match="needs a W8A8 method"):
         QuantizedLinear.from_linear(linear, "int8_weight_only", input_activation="gelu_tanh")
-    with pytest.raises(ValueError, match="Triton and torch backends only"):
-        QuantizedLinear.from_linear(linear, "int8", activation_backend="cuda", input_activation="gelu_tanh")
+    with pytest.raises(ValueError, match="activation_backend must be one of"):
+        QuantizedLinear.from_linear(linear, "int8", activation_backend="cutlass", input_activation="gelu_tanh")
+    cuda_layer = QuantizedLinear.from_linear(linear, "int8", activation_backend="cuda", input_activation="gelu_tanh")
+    with pytest.raises(ValueError, match="backend='cuda' cannot take these inputs"):  # CPU tensors here
+        cuda_layer(x)
     with pytest.raises(ValueError, match="forward_quantized takes an input already quantized"):
         layer.forward_quantized(torch.zeros(2, 96, dtype=torch.int8), torch.ones(2, 1), torch.float32)
 
