@@ -15,7 +15,10 @@ What is applied, to every denoiser the family's adapter names
 (:mod:`omni_diffusion.adapters`), in this order:
 
 1. ``quant``: :func:`omni_diffusion.quantization.quantize` swaps the linear
-   layers in place, skipping the adapter's patterns plus ``quant_skip``, and
+   layers in place, skipping the adapter's patterns plus ``quant_skip``, giving
+   the adapter's ``quant_weight_only`` layers (adaLN modulation) 8-bit weights
+   only (INT8 weight-only under a W8A8 method; the caller's
+   ``quant_options["layer_methods"]`` and ``quant_skip`` take precedence), and
    (W8A8, unless ``quant_options={"fuse_projections": False}``) fusing the
    attention q/k/v projections the adapter declares. The original linear
    modules are kept (their weights moved to CPU memory while quantized, when
@@ -324,6 +327,13 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
     family_skip = [p for p in adapter.quant_skip if any(_matches(n, p) for n in names)]
     fields: dict[str, Any] = dict(method=config.quant, skip=(*family_skip, *config.quant_skip),
                                   **config.quant_options)
+    family_weight_only = [p for p in adapter.quant_weight_only if any(_matches(n, p) for n in names)]
+    if family_weight_only:
+        # The caller's layer_methods come first (the first matching pattern wins).
+        weight_only = config.quant if config.quant.endswith("_weight_only") else "int8_weight_only"
+        own = fields.get("layer_methods", ())
+        own = tuple(own.items()) if isinstance(own, dict) else tuple(tuple(pair) for pair in own)
+        fields["layer_methods"] = (*own, *((p, weight_only) for p in family_weight_only))
     if config.quant_min_features is not None:
         fields["min_features"] = config.quant_min_features
     before = [

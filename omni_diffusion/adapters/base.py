@@ -353,6 +353,11 @@ class ModelAdapter:
     cfg: ClassVar[CFGInfo] = CFGInfo("separate")
     #: fnmatch patterns (relative to the transformer) quantization leaves alone
     quant_skip: ClassVar[tuple[str, ...]] = ()
+    #: fnmatch patterns of linear layers that read one row per sample (adaLN modulation): bound by
+    #: reading their weight, they gain from 8-bit weights but not from 8-bit activations, so under
+    #: a W8A8 method accelerate() gives them INT8 weight-only (QuantConfig.layer_methods); under a
+    #: weight-only method they take that method
+    quant_weight_only: ClassVar[tuple[str, ...]] = ()
     #: regional compile with fullgraph=True works for these blocks
     compile_fullgraph: ClassVar[bool] = True
     #: transformer forward arguments that, when not None, make a step uncacheable
@@ -544,6 +549,7 @@ class ModelAdapter:
             layout=dataclasses.asdict(self.layout),
             cfg=dataclasses.asdict(self.cfg),
             quant_skip=list(self.quant_skip),
+            quant_weight_only=list(self.quant_weight_only),
         )
 
 

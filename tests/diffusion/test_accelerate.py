@@ -18,6 +18,8 @@ untouched (the reference) and once per feature, same seed. Bounds:
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 
@@ -140,10 +142,50 @@ def test_quantization_within_bound(family, method, bound):
         quantized = [n for n, m in transformer.named_modules() if isinstance(m, QuantizedLinear)]
         assert quantized
         assert "proj_out" not in quantized  # the adapter's skip list applies
+        # the adapter's modulation layers: INT8 weights, 16-bit input
+        for name, module in transformer.named_modules():
+            if any(fnmatch.fnmatchcase(name, p) for p in adapter.quant_weight_only):
+                assert isinstance(module, QuantizedLinear) and module.method == "int8_weight_only", name
     assert rel(out, family.reference) < bound
     od.undo(family.pipe)
     for transformer in adapter.transformers(family.pipe).values():
         assert not any(isinstance(m, QuantizedLinear) for m in transformer.modules())
+    assert torch.equal(family.run(), family.reference)
+
+
+@pytest.mark.parametrize("override", ["none", "quant_skip", "layer_methods"])
+def test_weight_only_modulation_layers_and_their_overrides(override):
+    """Flux's adaLN modulation linears get INT8 weight-only under W8A8; the caller's quant_skip
+    keeps them in 16 bits and the caller's layer_methods pick another method."""
+    pytest.importorskip("omni_diffusion.quantization",
+                        reason="omni_diffusion.quantization (the linear-quantization issue) is missing")
+
+    from omni_diffusion.adapters import adapter_for
+
+    family = Family("flux")
+    adapter = adapter_for(family.pipe)
+    assert adapter.quant_weight_only
+    options = dict(CPU_QUANT)
+    fields = {}
+    if override == "quant_skip":
+        fields["quant_skip"] = ("transformer_blocks.*.norm1.linear",)
+    if override == "layer_methods":
+        options["layer_methods"] = {"single_transformer_blocks.*.norm.linear": "fp8_weight_only"}
+    out = family.accelerated(od.AccelConfig(attention=None, quant="int8", quant_options=options, **fields))
+    transformer = adapter.transformers(family.pipe)["transformer"]
+    kinds = {}
+    for name, module in transformer.named_modules():
+        for pattern in adapter.quant_weight_only:
+            if fnmatch.fnmatchcase(name, pattern):
+                kinds.setdefault(pattern, set()).add(getattr(module, "method", type(module).__name__))
+    expected = {p: {"int8_weight_only"} for p in adapter.quant_weight_only}
+    if override == "quant_skip":
+        expected["transformer_blocks.*.norm1.linear"] = {"Linear"}
+    if override == "layer_methods":
+        expected["single_transformer_blocks.*.norm.linear"] = {"fp8_weight_only"}
+    assert kinds == expected
+    assert rel(out, family.reference) < 0.02
+    od.undo(family.pipe)
     assert torch.equal(family.run(), family.reference)
 
 
