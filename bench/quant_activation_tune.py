@@ -14,11 +14,9 @@ times, on the same inputs in one process, each setting the launcher offers:
 * ``chunked-N``: N-wide chunks read twice (the second read from L2), 4 or 8 warps;
 * for the prefix shape, ``cat+kernel``: what the fold cost before the prefix (a ``torch.cat``
   then the kernel on the cat);
-* ``cuda-*``: omni's CUDA C++ kernel (``torch.ops.omni_kernels.quantize_activated``, when the
-  extension is built) with its automatic launch and each ``vectors_per_thread`` (16-byte
-  vectors a thread; the row's block has width / 8 / that many threads). Its codes may differ
-  from the Triton kernel's by one step where the two GELUs round differently, so they are
-  compared with the CUDA default's (``cuda-auto``).
+* ``cuda``: omni's CUDA C++ kernel (``torch.ops.omni_kernels.quantize_activated``, when the
+  extension is built), whose codes may differ from the Triton kernel's where the two GELUs
+  round apart (checked: scales within 1e-5, codes equal in 99% of the values).
 
 Every setting's codes and scales are compared with the default's (they must be equal: the
 settings change scheduling, not arithmetic). Median of ``triton.testing.do_bench`` (L2 flushed
@@ -76,14 +74,6 @@ def settings(shape: Shape) -> list[tuple[str, dict]]:
     return out
 
 
-CUDA_VECTORS_PER_THREAD = (0, 2, 4, 8)  # 0: the op's automatic choice; 1 cannot hold Flux's rows
-
-
-def cuda_settings(vectors_per_thread=CUDA_VECTORS_PER_THREAD) -> list[tuple[str, int]]:
-    """``(label, vectors_per_thread)`` of the CUDA kernel, in the given order (0: ``cuda-auto``)."""
-    return [(f"cuda-vpt{v}" if v else "cuda-auto", v) for v in vectors_per_thread]
-
-
 def _bench_us(fn) -> float:
     import triton
     from torch._library.triton import set_wrap_triton_enabled
@@ -92,8 +82,7 @@ def _bench_us(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: int,
-              cuda_vectors: tuple[int, ...] = CUDA_VECTORS_PER_THREAD) -> list[dict]:
+def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: int) -> list[dict]:
     from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton as launch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -119,21 +108,15 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
     from omni_kernels import has_compiled_extension
 
     if has_compiled_extension() and shape.prefix % 8 == 0 and shape.width % 8 == 0:
-        cuda_baseline = None
-        for label, vectors in cuda_settings(cuda_vectors):
-            def call_cuda(vectors=vectors):  # the automatic choice through the op's default
-                return torch.ops.omni_kernels.quantize_activated(x, head, 0, 0.0, out_dtype, *((vectors,) if vectors else ()))
-            try:
-                q, scale = call_cuda()
-                if cuda_baseline is None:
-                    cuda_baseline = (q, scale)
-                same = torch.equal(scale, cuda_baseline[1]) and torch.equal(
-                    q.view(torch.uint8), cuda_baseline[0].view(torch.uint8))
-                us = _bench_us(call_cuda)
-                rows.append(dict(shape=shape.name, setting=label, us=us, gbps=nbytes / us / 1e3,
-                                 same_as_default=same, status="ok" if same else f"differs from {cuda_settings(cuda_vectors)[0][0]}"))
-            except RuntimeError as exc:  # a value the row cannot take (too many threads)
-                rows.append(dict(shape=shape.name, setting=label, status=f"refused: {exc}".split("\n")[0][:200]))
+        def call_cuda():
+            return torch.ops.omni_kernels.quantize_activated(x, head, 0, 0.0, out_dtype)
+        q, scale = call_cuda()
+        # The two kernels' GELUs may round apart: scales within 1e-5, codes equal in 99% of values.
+        agree = bool(torch.allclose(scale, baseline[1], rtol=1e-5, atol=0)
+                     and (q.float() != baseline[0].float()).float().mean() < 0.01)
+        us = _bench_us(call_cuda)
+        rows.append(dict(shape=shape.name, setting="cuda", us=us, gbps=nbytes / us / 1e3, same_as_default=agree,
+                         status="ok" if agree else "differs from the Triton kernel's (beyond one code in 1%)"))
     if head is not None:
         us = _bench_us(lambda: launch(torch.cat([head, x], -1), shape.prefix, 0.0, out_dtype))
         rows.append(dict(shape=shape.name, setting="cat+kernel", us=us, gbps=None, same_as_default=None,
@@ -169,9 +152,6 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cuda-vectors-per-thread", type=int, nargs="*", choices=CUDA_VECTORS_PER_THREAD,
-                        default=list(CUDA_VECTORS_PER_THREAD),
-                        help="the CUDA kernel's settings to time (0: its automatic choice; none: skip it)")
     args = parser.parse_args(argv)
     refusal = gpu_refusal("bench/quant_activation_tune.py")
     if refusal:
@@ -188,7 +168,7 @@ def main(argv=None) -> int:
     shapes = [SHAPES[name] for name in args.shapes]
     rows = []
     for shape in shapes:
-        rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed, tuple(args.cuda_vectors_per_thread))
+        rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed)
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"quant_activation_tune_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
@@ -198,7 +178,7 @@ def main(argv=None) -> int:
     table = markdown(env, shapes, rows, args.dtype)
     (args.out_dir / f"{stem}.md").write_text(table + "\n")
     print(table)
-    return 0 if all(r["status"] == "ok" or r["status"].startswith("refused") for r in rows) else 1
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
     const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
     const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
     const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
-    at::ScalarType out_dtype, int64_t vectors_per_thread);
+    at::ScalarType out_dtype);
 
 // GELU (tanh approximation) on x's columns activation_from.. (all of x with a prefix), then
 // per-token quantization of the row cat(prefix, activated x) (csrc/quant/); x [M, K] and prefix
 // [M, K0] fp16/bf16 with 16-byte aligned rows. Returns (q [M, K0 + K], scale [M, 1] float32).
 std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
     const torch::Tensor& x, const std::optional<torch::Tensor>& prefix, int64_t activation_from,
-    double clamp, at::ScalarType out_dtype, int64_t vectors_per_thread);
+    double clamp, at::ScalarType out_dtype);
 
 // Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
 // [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or

@@ -17,14 +17,14 @@ TORCH_LIBRARY(omni_kernels, ops) {
   // Per-token FP8/INT8 quantization, optionally fused with RMSNorm/LayerNorm and adaLN.
   ops.def(
       "quantize_per_token(Tensor x, Tensor? norm_weight, Tensor? norm_bias, Tensor? mod_scale, "
-      "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype, "
-      "int vectors_per_thread=0) -> (Tensor, Tensor)");
+      "Tensor? mod_shift, int norm, float eps, float clamp, ScalarType out_dtype) "
+      "-> (Tensor, Tensor)");
   ops.impl("quantize_per_token", torch::kCUDA, &quantize_per_token);
 
   // The same quantization after a GELU, optionally of cat(prefix, GELU(x)) without the cat.
   ops.def(
       "quantize_activated(Tensor x, Tensor? prefix, int activation_from, float clamp, "
-      "ScalarType out_dtype, int vectors_per_thread=0) -> (Tensor, Tensor)");
+      "ScalarType out_dtype) -> (Tensor, Tensor)");
   ops.impl("quantize_activated", torch::kCUDA, &quantize_activated);
 
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.

@@ -52,18 +52,11 @@ int auto_vectors_per_thread(int row_vectors) {
   return vpt;
 }
 
-// (vectors a thread, threads a block) for a row of `row_vectors` vectors; `requested` 0 is
-// auto_vectors_per_thread's choice, else 1, 2, 4 or 8.
-std::pair<int, int> launch_geometry(const char* op, int row_vectors, int64_t requested,
-                                    int64_t cols) {
-  TORCH_CHECK(requested == 0 || requested == 1 || requested == 2 || requested == 4 ||
-                  requested == 8,
-              op, ": vectors_per_thread must be 0 (auto), 1, 2, 4 or 8; got ", requested);
-  const int vpt = requested > 0 ? static_cast<int>(requested) : auto_vectors_per_thread(row_vectors);
+// (vectors a thread, threads a block) for a row of `row_vectors` vectors: auto_vectors_per_thread's
+// choice and the warps that cover the row with it.
+std::pair<int, int> launch_geometry(int row_vectors) {
+  const int vpt = auto_vectors_per_thread(row_vectors);
   const int needed = (row_vectors + vpt - 1) / vpt;
-  TORCH_CHECK(needed <= kMaxThreads, op, ": vectors_per_thread=", vpt, " needs ", needed,
-              " threads for a row of ", cols, " values; at most ", kMaxThreads,
-              " (use a larger value)");
   const int threads =
       std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE * OMNI_WARP_SIZE);
   return {vpt, threads};
@@ -85,7 +78,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
     const torch::Tensor& x, const std::optional<torch::Tensor>& norm_weight,
     const std::optional<torch::Tensor>& norm_bias, const std::optional<torch::Tensor>& mod_scale,
     const std::optional<torch::Tensor>& mod_shift, int64_t norm, double eps, double clamp,
-    at::ScalarType out_dtype, int64_t vectors_per_thread) {
+    at::ScalarType out_dtype) {
   TORCH_CHECK(x.is_cuda(), "quantize_per_token: x must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 2, "quantize_per_token: x must be 2-D [M, K]; got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -132,8 +125,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   params.eps = static_cast<float>(eps);
   params.clamp = static_cast<float>(clamp);
 
-  const auto [vpt, threads] =
-      launch_geometry("quantize_per_token", params.row_vectors, vectors_per_thread, cols);
+  const auto [vpt, threads] = launch_geometry(params.row_vectors);
 
   const auto norm_kind = static_cast<omni::quant::NormKind>(norm);
   const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
@@ -153,7 +145,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
     const torch::Tensor& x, const std::optional<torch::Tensor>& prefix, int64_t activation_from,
-    double clamp, at::ScalarType out_dtype, int64_t vectors_per_thread) {
+    double clamp, at::ScalarType out_dtype) {
   constexpr const char* kOp = "quantize_activated";
   TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const auto dtype = x.scalar_type();
@@ -198,7 +190,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
   params.row_vectors = static_cast<int>(width / kVectorElements);
   params.cols = static_cast<int>(width);
   params.clamp = static_cast<float>(clamp);
-  const auto [vpt, threads] = launch_geometry(kOp, params.row_vectors, vectors_per_thread, width);
+  const auto [vpt, threads] = launch_geometry(params.row_vectors);
 
   const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
                                                           : omni::quant::OutKind::kFp8E4m3;

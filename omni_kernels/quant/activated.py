@@ -88,7 +88,7 @@ def _(prefix, x, clamp, out_dtype):
             x.new_empty((rows, 1), dtype=torch.float32))
 
 
-def _fake_quantize_activated(x, prefix, activation_from, clamp, out_dtype, vectors_per_thread=0):
+def _fake_quantize_activated(x, prefix, activation_from, clamp, out_dtype):
     width = x.shape[1] + (prefix.shape[1] if prefix is not None else 0)
     return x.new_empty((x.shape[0], width), dtype=out_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 

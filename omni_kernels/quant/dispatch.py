@@ -113,8 +113,7 @@ def _quantize_per_token_triton_op(
     )
 
 
-def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype,
-                   vectors_per_thread=0):
+def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype):
     return (
         x.new_empty(x.shape, dtype=out_dtype),
         x.new_empty((x.shape[0], 1), dtype=torch.float32),

@@ -50,10 +50,3 @@ def test_refuses_without_a_gpu(tune, capsys):
     assert tune.main(["--shapes", "tiny"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
 
-
-def test_cuda_settings_are_the_ops_values(tune):
-    """The CUDA kernel's settings: its automatic choice first, then the vectors_per_thread values
-    (csrc/quant instantiates 1, 2, 4 and 8; 1 cannot hold Flux's rows in 512 threads)."""
-    settings = tune.cuda_settings()
-    assert settings[0] == ("cuda-auto", 0) and tune.cuda_settings((4,)) == [("cuda-vpt4", 4)]
-    assert {v for _, v in settings[1:]} <= {1, 2, 4, 8} and len({label for label, _ in settings}) == len(settings)

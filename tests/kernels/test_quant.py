@@ -779,34 +779,6 @@ def test_gpu_cuda_activated_prefix_equals_materialized_cat(inputs, lead, k0, k, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,k", [(4608, 3072), (333, 15360), (5, 200)])
-def test_gpu_cuda_vectors_per_thread_change_scheduling_only(inputs, rows, k):
-    """Every vectors_per_thread the ops take gives the automatic choice's codes and scales
-    (plain, LayerNorm + adaLN, and GELU-fused); one that needs too many threads is refused."""
-    _require_cuda_extension()
-    x = inputs.activations((rows, k), torch.bfloat16, "cuda")
-    mod = inputs.activations((1, k), torch.bfloat16, "cuda", outlier_channels=0) * 0.1
-    calls = {
-        "plain": lambda v: torch.ops.omni_kernels.quantize_per_token(
-            x, None, None, None, None, 0, 1e-6, 0.0, torch.int8, v),
-        "layernorm+adaln": lambda v: torch.ops.omni_kernels.quantize_per_token(
-            x, None, None, mod, mod, 2, 1e-6, 0.0, torch.int8, v),
-        "gelu": lambda v: torch.ops.omni_kernels.quantize_activated(x, None, 16, 0.0, torch.int8, v),
-    }
-    for name, call in calls.items():
-        q0, s0 = call(0)
-        for v in (1, 2, 4, 8):
-            if (k // 8 + v - 1) // v > 512:
-                with pytest.raises(RuntimeError, match="vectors_per_thread=.* needs .* threads"):
-                    call(v)
-                continue
-            q, s = call(v)
-            assert torch.equal(s, s0) and torch.equal(q, q0), f"{name}: vectors_per_thread={v} differs"
-    with pytest.raises(RuntimeError, match="vectors_per_thread must be 0 \\(auto\\), 1, 2, 4 or 8; got 3"):
-        calls["gelu"](3)
-
-
-@pytest.mark.gpu
 def test_gpu_opcheck_cuda_activated_op(inputs):
     _require_cuda_extension()
     x = inputs.activations((64, 256), torch.bfloat16, "cuda")
