@@ -38,9 +38,6 @@ Variants (each applied to the same model and undone before the next):
 (d5) ``omni_fp8_diffusers_norm_rope`` (only when asked for with ``--variants``): (d) with
     ``fused_norm_rope=False``: diffusers' QK RMSNorm and RoPE (compiled by Inductor) instead of
     omni's fused kernel; (d5) vs (d) is the gain of the fused processor (Flux).
-(d6) ``omni_fp8_bf16_modulation`` (only when asked for with ``--variants``): (d) with the
-    adapter's ``quant_weight_only`` layers (Flux's adaLN modulation linears, one row per sample)
-    kept in 16 bits instead of INT8 weight-only through omni's GEMV: (d6) vs (d) is that gain.
 (g) ``omni_fp8_eager`` (only when asked for with ``--variants``): (d) without compile: omni
     attention, FP8 linears with their kernels, the fused QK-norm + RoPE processor, all eager;
     what a user who does not compile gets, against (a).
@@ -101,10 +98,10 @@ from bench._environment import base_environment, device_slug, gpu_refusal  # noq
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope",
-            "omni_fp8_bf16_modulation", "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager")
+            "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager")
 # Activation-quantization and launch experiments, run only when --variants names them.
 _OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
-                    "omni_fp8_diffusers_norm_rope", "omni_fp8_bf16_modulation", "omni_fp8_eager")
+                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -120,7 +117,6 @@ VARIANT_LABELS = {
     "omni_fp8_unfolded": "(d3) (d), MLP GELUs not folded into the quantization",
     "omni_fp8_cuda_graphs": "(d4) (d) + CUDA graphs",
     "omni_fp8_diffusers_norm_rope": "(d5) (d), diffusers' QK norm + RoPE instead of omni's fused kernel",
-    "omni_fp8_bf16_modulation": "(d6) (d), the adapter's weight-only layers (adaLN modulation) kept in 16 bits",
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
     "omni_fp8_eager": "(g) (d) without compile (eager omni stack)",
@@ -324,13 +320,6 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         graphs = {}
         if variant == "omni_fp8_diffusers_norm_rope":
             graphs["fused_norm_rope"] = False
-        if variant == "omni_fp8_bf16_modulation":
-            from omni_diffusion.adapters import adapter_for_transformer
-
-            kept = adapter_for_transformer(model).quant_weight_only
-            if not kept:
-                raise Skip("the model's adapter declares no weight-only layers")
-            graphs["quant_skip"] = tuple(kept)
         if variant == "omni_fp8_cuda_graphs":
             if device.type != "cuda":
                 raise Skip("CUDA graphs need a CUDA device")

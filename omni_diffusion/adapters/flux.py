@@ -9,9 +9,9 @@
 * CFG: guidance-distilled (the scale is an embedding when
   ``guidance_embeds``); ``true_cfg_scale > 1`` with a negative prompt adds
   separate conditional/unconditional calls.
-* Quantization skips the embedders and the final norm/projection; the AdaLN
-  modulation linears (one row per sample: bound by reading their weights) get
-  8-bit weights only (``quant_weight_only``).
+* Quantization skips the embedders, the final norm/projection and the AdaLN
+  modulation linears (one row per sample: bound by reading their weights, and
+  omni's weight-only GEMV does not yet read 8 bits faster than cuBLAS reads 16).
   It may fuse the attention projections that read one input (``to_q/k/v`` of
   both block kinds, ``add_q/k/v_proj`` of the dual-stream blocks) through
   diffusers' ``fuse_projections()``; diffusers' Flux processors read
@@ -175,11 +175,11 @@ class FluxAdapter(ModelAdapter):
         "time_text_embed.*",
         "norm_out.*",
         "proj_out",
-    )
-    # The AdaLN modulation linears (3072 -> 18432 / 9216 on one row per sample): 6.5 GB of bf16
-    # weights a step at 1024^2, read at ~2.9 TB/s (2.2 ms on the H200); INT8 weights through
-    # omni's GEMV read half the bytes.
-    quant_weight_only = (
+        # The AdaLN modulation linears (3072 -> 18432 / 9216 on one row per sample) stay bf16:
+        # INT8 weight-only through omni's GEMV was slower on the H200 (116 vs 42 us at M=1,
+        # 3072 -> 18432; the compiled step 90.9 vs 91.5 ms, eager 108.1 vs 102.0, +3.1 GiB peak:
+        # bench/results/pipeline-flux-modulation_nvidia-h200_20261130.md). quant_weight_only
+        # takes them once the GEMV reads 8-bit weights faster than cuBLAS reads bf16.
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",

@@ -17,6 +17,7 @@ modulation linears (one row per sample) run the GEMV.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -215,22 +216,25 @@ def test_modulation_linears_run_the_gemv_with_the_aten_result(monkeypatch):
     assert _rel(out, expected) <= 1e-5
 
 
-def test_layer_methods_through_accelerate_quant_options():
-    """``AccelConfig.quant_options`` passes ``layer_methods`` on to :func:`quantize`, ahead of the
-    Flux adapter's own weight-only modulation layers (INT8 weight-only under W8A8): the caller's
-    method wins where both match; undo restores the model."""
+def test_layer_methods_through_accelerate_quant_options(caplog):
+    """``AccelConfig.quant_options`` passes ``layer_methods`` on to :func:`quantize`. The Flux
+    adapter's skip list keeps the modulation linears in bf16 and wins over ``layer_methods``
+    (logged as a warning); undo restores the model."""
     import omni_diffusion as od
 
     model, inputs = tiny_flux_transformer()
     ref = _run(model, inputs)
     methods = {**MODULATION, "transformer_blocks.*.ff.net.2": "int8_weight_only"}
-    od.accelerate(model, od.AccelConfig(attention=None, quant="fp8",
-                                        quant_options=dict(layer_methods=methods, **CPU_OPTIONS)))
+    with caplog.at_level(logging.WARNING, logger="omni_diffusion.quantization"):
+        od.accelerate(model, od.AccelConfig(attention=None, quant="fp8",
+                                            quant_options=dict(layer_methods=methods, **CPU_OPTIONS)))
     layers = quantized_layers(model)
     assert layers["transformer_blocks.0.ff.net.2"] == "int8_weight_only"
     assert layers["transformer_blocks.0.ff_context.net.2"] == "fp8"
-    assert layers["transformer_blocks.0.norm1.linear"] == "int8_weight_only"
-    assert layers["single_transformer_blocks.0.norm.linear"] == "fp8_weight_only"  # the caller's, not the adapter's
+    assert "transformer_blocks.0.norm1.linear" not in layers  # the adapter's quant_skip
+    warnings = [r.getMessage() for r in caplog.records if "changes nothing" in r.getMessage()]
+    assert len(warnings) == 3 and "'*.norm1.linear' (int8_weight_only)" in warnings[0]
+    assert "matches skip pattern 'transformer_blocks.*.norm1.linear'" in warnings[0]
     assert _rel(_run(model, inputs), ref) <= MODEL_TOLERANCE
     od.undo(model)
     assert not quantized_layers(model)
