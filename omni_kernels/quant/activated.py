@@ -15,9 +15,12 @@ only the 8-bit input and its scales are written. Backends:
 * ``"cuda"``: omni's CUDA C++ per-token kernel (``csrc/quant``) in its GELU instantiation,
   through the op ``torch.ops.omni_kernels.quantize_activated``: the row, ``cat(prefix, x)``
   with or without a prefix, is read once into registers in exact 16-byte vectors (no padding
-  of the row to a power of two, which the Triton kernel's register tile needs), so it moves
-  more bytes a second at Flux's widths. Needs the compiled extension, float16/bfloat16 input,
-  widths that are multiples of 8 (at most 32768 in all) and 16-byte aligned rows.
+  of the row to a power of two, which the Triton kernel's register tile needs). Measured
+  slower than the Triton kernel on the H200 all the same (Flux's single blocks' 4608 x
+  (3072 + 12288): 132 vs 105 us; bench/results/quant_activation_tune-gelu-division_*), so
+  ``"auto"`` takes it only where Triton cannot run. Needs the compiled extension,
+  float16/bfloat16 input, widths that are multiples of 8 (at most 32768 in all) and 16-byte
+  aligned rows.
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
   plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
 
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
 # Triton first: on the H200 its kernel was faster than the CUDA one at Flux's widths (GELU on
-# 4608 x (3072 + 12288): 110 vs 165 us, bench/results/quant_activation_tune_*_20261130.md),
+# 4608 x (3072 + 12288): 105 vs 132 us, bench/results/quant_activation_tune-gelu-division_*),
 # and under torch.compile Inductor launches it from its own code (the CUDA op is an opaque call).
 _AUTO_ORDER = ("triton", "cuda", "torch")
 # csrc/quant/quant_params.h: 16-byte vectors of 8 half-precision values, rows of at most

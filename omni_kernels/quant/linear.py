@@ -25,8 +25,11 @@ dequantized weight. The GEMM backends:
 every pair): FP8 W8A8: aten, triton, torch (CUTLASS row-wise FP8 is the
 fastest FP8 GEMM torch ships). INT8 W8A8: triton, aten, torch (``_int_mm``
 writes an int32 ``[M, N]`` that the separate epilogue reads again).
-Weight-only: triton_gemv first for ``M <= 16`` (not yet timed against the
-others: ``bench/linear.py --shapes flux-adaln``), triton first for ``M <= 64``
+Weight-only: triton_gemv first for ``M <= 16`` (on the H200 the fastest weight-only
+path in 5 of the 6 Flux modulation cases of ``bench/linear.py --shapes flux-adaln``,
+e.g. 66 vs 130 us (Triton GEMM) and 346 us (aten) for FP8 at M=1, 3072 -> 18432, yet
+slower than bf16 cuBLAS there, 42 us: bench/results/linear-flux-adaln_nvidia-h200_20261130.md),
+triton first for ``M <= 64``
 (reads 1 byte a weight), aten first above (cuBLAS at bfloat16 speed after one
 dequantization pass). On CPU: aten, then torch (the Triton interpreter is for
 tests; ask for it with ``backend="triton"`` or ``"triton_gemv"``).
