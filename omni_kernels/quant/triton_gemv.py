@@ -95,12 +95,16 @@ def _weight_only_gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_os, stride_om, stride_on,
     ROWS: tl.constexpr, USE_DOT: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMA_LOOP_STAGES: tl.constexpr,
 ):
     """Program ``(pid_n, pid_k)``: output columns ``pid_n * BLOCK_N + [0, BLOCK_N)`` over the
     ``K`` range ``pid_k * k_per_split + [0, k_per_split)`` (one range when not split).
 
     ``ROWS``: ``M`` itself on the CUDA-core path (1 to 4, one accumulator per row), 16 on
     the ``tl.dot`` path. ``EVEN_K``: every ``BLOCK_K`` chunk is full (no column masks).
+    ``FMA_LOOP_STAGES``: the CUDA-core loop's software-pipelining depth, or ``None`` (not
+    pipelined). Triton pipelines the loads of a loop without ``tl.dot`` only when the loop
+    itself carries ``num_stages``; the launch option alone pipelines the ``tl.dot`` loop only.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,7 +144,7 @@ def _weight_only_gemv_kernel(
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, k_len, BLOCK_K):
+        for k0 in tl.range(0, k_len, BLOCK_K, num_stages=FMA_LOOP_STAGES):
             k_left = k_len - k0
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -251,7 +255,8 @@ def launch_weight_only_gemv(
     e4m3; ``w_scale`` ``[N]`` float32; ``bias`` ``[N]`` (``x``'s dtype or float32) or ``None``.
     Tuning knobs (``None``: :func:`default_tiles`, :func:`default_split_k`, Triton's default
     stages, ``tl.dot`` for ``M > 4``): ``block_n`` (16 to 256) and ``block_k`` (16 to 1024),
-    powers of two; ``num_warps`` (1 to 16, a power of two); ``num_stages`` (>= 1);
+    powers of two; ``num_warps`` (1 to 16, a power of two); ``num_stages`` (>= 1: weight tiles
+    in flight per program, on both paths; ``None`` leaves the CUDA-core loop unpipelined);
     ``split_k`` (>= 1: programs sharing each column block's ``K``; the effective value can
     be lower, so that no program gets an empty range); ``use_dot`` (the ``tl.dot`` path;
     ``False`` needs ``M <= 4``). ``out``: an ``[M, N]`` tensor of ``x``'s dtype to write into
@@ -328,6 +333,7 @@ def launch_weight_only_gemv(
         EVEN_K=k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        FMA_LOOP_STAGES=None if use_dot else num_stages,
         **options,
     )
     if partial is not None:
