@@ -4,12 +4,15 @@ The operation is defined by :mod:`omni_kernels.quant.reference`; this is the
 ``backend="triton"`` path of :func:`omni_kernels.quant.quantize_per_token`,
 reached through the custom op ``torch.ops.omni_kernels.quantize_per_token_triton``.
 
-One program per row (token). When the row fits one register tile
+One program per row (token) by default. When the row fits one register tile
 (``K <= MAX_TILE``, every DiT width up to Flux's 15360), the row is loaded
 once and kept in registers: the mean, the variance (two-pass, exact), the
 absolute maximum and the quantized values all come from the same registers, so
 HBM sees one read of ``x`` and one write of ``q``. Longer rows loop over chunks
-and re-read them (from L2) for each pass.
+and re-read them (from L2) for each pass. As a tuning option (``rows_per_program``), a program
+quantizes several consecutive single-tile rows as one ``[ROWS, BLOCK_K]`` tile, each row with its
+own reductions along the tile's rows and the same arithmetic, so the same codes and scales: short
+rows (Flux's 3072) leave one program per row too little work to keep HBM busy.
 
 Rounding: FP8 through Triton's float32 -> e4m3 conversion (round to nearest
 even; the value is clamped to +-448 first), INT8 through ``rint`` (round half
@@ -175,6 +178,56 @@ def _quantize_per_token_kernel(
             quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
 
 
+
+@triton.jit
+def _quantize_rows_per_token_kernel(
+    x_ptr, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
+    M, K, x_row_stride, q_row_stride, mod_row_stride, rows_per_group,
+    eps, clamp_val,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """``ROWS`` consecutive rows a program, as a ``[ROWS, BLOCK_K]`` register tile.
+
+    Each row's statistics are reductions along axis 1 with ``keep_dims`` (``[ROWS, 1]``), and
+    every element goes through the single-tile path of :func:`_quantize_per_token_kernel`'s
+    operations in the same order, so each row gets that kernel's codes and scale. (On the GPU
+    the sums' order follows the thread layout: for sm_90 Triton lays a row of the tile out as
+    the one-row kernel's row at the same ``num_warps``; another warp count may round the
+    LayerNorm/RMS sums apart in the last bit, as it would for the one-row kernel.)
+    """
+    tl.static_assert(SINGLE_TILE, "rows_per_program > 1 needs rows that fit one register tile")
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    row_ids = first_row + tl.arange(0, ROWS)
+    row_valid = (row_ids < M)[:, None]
+    # The last program's rows past M repeat row M - 1, so loads need only the column mask; the
+    # stores are masked by row_valid.
+    rows = tl.minimum(row_ids, M - 1)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    col_mask = cols < K
+    mod_row = (rows // rows_per_group) * mod_row_stride
+    kf = K * 1.0
+    x = tl.load(x_ptr + rows * x_row_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+    mean = 0.0
+    rstd = 1.0
+    if NORM == 2:
+        mean = tl.math.div_rn(tl.sum(x, axis=1, keep_dims=True), kf)
+        d = tl.where(col_mask, x - mean, 0.0)
+        rstd = _inv_sqrt(tl.math.div_rn(tl.sum(d * d, axis=1, keep_dims=True), kf) + eps)
+    elif NORM == 1:
+        rstd = _inv_sqrt(tl.math.div_rn(tl.sum(x * x, axis=1, keep_dims=True), kf) + eps)
+    y = _transform(x, cols, col_mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row, clamp_val,
+                   NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1, keep_dims=True), MIN_AMAX)  # [ROWS, 1]
+    tl.store(s_ptr + rows, tl.math.div_rn(amax, QMAX), mask=row_valid)
+    inv = tl.math.div_rn(QMAX, amax)
+    quantize_store(y, inv, q_ptr + rows * q_row_stride, cols, col_mask & row_valid, QMAX, IS_INT8,
+                   USE_LIBDEVICE)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -186,6 +239,11 @@ def launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
         block = max(16, _next_power_of_2(k))
         return block, True, max(1, min(8, block // 512))
     return _CHUNK, False, 8
+
+
+def multi_row_warps(rows_per_program: int, block: int) -> int:
+    """Default ``num_warps`` of a ``[rows_per_program, block]`` tile: about 16 values a thread, 1 to 8."""
+    return max(1, min(8, rows_per_program * block // 512))
 
 
 def row_quantization_constants(out_dtype: torch.dtype, clamp: float, block: int, single: bool) -> dict:
@@ -201,6 +259,23 @@ def row_quantization_constants(out_dtype: torch.dtype, clamp: float, block: int,
     )
 
 
+ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+NUM_WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def _check_tuning_options(rows_per_program, num_warps, k: int, single: bool, max_tile: int) -> None:
+    """Raise ``ValueError`` for a ``rows_per_program``/``num_warps`` the kernels cannot take."""
+    if isinstance(rows_per_program, bool) or rows_per_program not in ROWS_PER_PROGRAM_CHOICES:
+        raise ValueError(f"rows_per_program must be one of {ROWS_PER_PROGRAM_CHOICES}; got {rows_per_program!r}")
+    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in NUM_WARPS_CHOICES):
+        raise ValueError(f"num_warps must be None or one of {NUM_WARPS_CHOICES}; got {num_warps!r}")
+    if rows_per_program > 1 and not single:
+        raise ValueError(
+            f"rows_per_program={rows_per_program} needs rows that fit one register tile "
+            f"(K <= max_tile={max_tile}); got K={k}: use rows_per_program=1"
+        )
+
+
 def launch_quantize_per_token_triton(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -213,6 +288,8 @@ def launch_quantize_per_token_triton(
     out_dtype: torch.dtype,
     *,
     max_tile: int = MAX_TILE,
+    rows_per_program: int = 1,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x`` ``[M, K]``; returns ``(q [M, K], scale [M, 1] float32)``.
 
@@ -221,14 +298,21 @@ def launch_quantize_per_token_triton(
     ``mod_scale``/``mod_shift`` are ``[G, K]`` with ``M % G == 0`` (copied to
     contiguous if they are not: they are small); ``norm`` is 0 (none), 1 (RMS) or 2 (LayerNorm); ``clamp``
     <= 0 means no clamp. ``max_tile`` exists for tests of the chunked path.
+
+    Tuning options (the defaults are what the op launches): ``rows_per_program`` (a power of
+    two, 1 to 64; > 1 only for rows of at most ``max_tile`` values) quantizes that many
+    consecutive rows in one program, as a ``[rows_per_program, BLOCK_K]`` tile, with the same
+    arithmetic a row; ``num_warps`` (a power of two, 1 to 32; ``None``: :func:`launch_config`'s
+    for one row, and for several rows about 16 values a thread, at most 8 warps).
     """
     m, k = x.shape
+    block, single, default_warps = launch_config(k, max_tile)
+    _check_tuning_options(rows_per_program, num_warps, k, single, max_tile)
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         scale.fill_(MIN_ABSMAX / qmax_of(out_dtype))
         return q, scale
-    block, single, num_warps = launch_config(k, max_tile)
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     mod_scale = mod_scale.contiguous() if mod_scale is not None else None
@@ -236,20 +320,29 @@ def launch_quantize_per_token_triton(
     mod = mod_scale if mod_scale is not None else mod_shift
     groups = mod.shape[0] if mod is not None else 1
     dummy = scale  # an unused pointer argument still needs a tensor; never dereferenced
-    _quantize_per_token_kernel[(m,)](
+    pointers = (
         x, q, scale,
         norm_weight if norm_weight is not None else dummy,
         norm_bias if norm_bias is not None else dummy,
         mod_scale if mod_scale is not None else dummy,
         mod_shift if mod_shift is not None else dummy,
-        k, x.stride(0), q.stride(0), k, m // groups,
-        float(eps), float(clamp),
+    )
+    row_scalars = (x.stride(0), q.stride(0), k, m // groups, float(eps), float(clamp))
+    constants = dict(
         NORM=int(norm),
         HAS_W=norm_weight is not None,
         HAS_B=norm_bias is not None,
         HAS_MOD_SCALE=mod_scale is not None,
         HAS_MOD_SHIFT=mod_shift is not None,
         **row_quantization_constants(out_dtype, clamp, block, single),
-        num_warps=num_warps,
     )
+    if rows_per_program == 1:
+        _quantize_per_token_kernel[(m,)](
+            *pointers, k, *row_scalars, **constants, num_warps=num_warps or default_warps,
+        )
+    else:
+        _quantize_rows_per_token_kernel[(triton.cdiv(m, rows_per_program),)](
+            *pointers, m, k, *row_scalars, **constants, ROWS=rows_per_program,
+            num_warps=num_warps or multi_row_warps(rows_per_program, block),
+        )
     return q, scale
