@@ -14,12 +14,16 @@ inputs in one process, for each shape (``flux-adaln-double`` 3072 -> 18432,
   against), and ``op``: ``torch.ops.omni_kernels.weight_only_gemv_triton`` (what
   ``QuantizedLinear`` calls; the difference is host overhead only);
 * ``coarse``: a fixed grid over the CUDA-core path (``use_dot=False``: tiles ``block_n x
-  block_k`` of 4 to 32 KiB of weight, 4 or 8 warps, 1 or 3 stages: 3 pipelines the weight
-  loads with cp.async, 1 does not, like the default) and the ``tl.dot`` path (16-row tile), pruned (:func:`prune_reason`: accumulators over 128 registers a thread,
-  threads without a 16-byte weight vector, pipelines over 160 KiB of shared memory, ``split_k``
-  where the column blocks fill the GPU) and capped at ``--coarse-cap`` settings;
-* ``refine``: the neighbours of the ``--refine-top`` fastest (one knob one step away: block
-  sizes, warps 2/4/8, stages 1-4, ``split_k``), capped at ``--refine-cap``.
+  block_k`` of 4 to 16 KiB of weight, 4 or 8 warps, 1 or 3 stages: 3 pipelines the weight
+  loads with cp.async, 1 does not, like the default; for the 8 and 16 KiB tiles also
+  ``x_tile_load=True`` unpipelined, labels ``...-xt``: ``x`` read in the weight tile's layout,
+  no shared-memory barriers in the loop) and the ``tl.dot`` path (16-row tile), pruned
+  (:func:`prune_reason`: accumulators over 128 registers a thread, threads without a 16-byte
+  weight vector, pipelines over 160 KiB of shared memory, ``split_k`` where the column blocks
+  fill the GPU) and capped at ``--coarse-cap`` settings;
+* ``refine``: the neighbours of the ``--refine-top`` fastest (one knob one step away:
+  ``x_tile_load`` flipped on the CUDA-core path, block sizes, warps 2/4/8, stages 1-4,
+  ``split_k``), capped at ``--refine-cap``.
 
 Kernels are compiled first, in ``--jobs`` worker processes (into Triton's on-disk cache, which
 the timing process then loads), so the whole default sweep (8 cases, ~50 settings each) should
@@ -102,14 +106,20 @@ MAX_PROGRAMS_PER_SM = 4
 FMA_MAX_ROWS = 4
 # The tl.dot path's row tile (omni_kernels.quant.triton_gemv.GEMV_MAX_M).
 DOT_ROWS = 16
+# Bytes of one x value (bf16 on the GPU) in a pipelined x tile.
+X_BYTES = 2
 
-# (use_dot, (block_n, block_k) tiles, warps, stages) of the coarse grid: the CUDA-core path at
-# 4, 8, 16 and 32 KiB of weight a loop step, in several aspect ratios; the tl.dot path at 8 to
-# 16 KiB. Pruning removes what a row count cannot hold.
+# (use_dot, (block_n, block_k) tiles, warps, stages, x_tile_load) of the coarse grid: the
+# CUDA-core path at 4, 8 and 16 KiB of weight a loop step, in several aspect ratios (larger
+# tiles are reached by refinement); the same path loading x in the weight tile's layout at the
+# 8 and 16 KiB tiles around the launcher's defaults (32x256 at M=1, 16x256 at M=2), unpipelined
+# (the case where it takes every barrier out of the loop; refinement tries stages and flips it
+# on the fastest); the tl.dot path at 8 to 16 KiB. In this order, so that a cap cuts the tl.dot
+# path first; pruning removes what a row count cannot hold (~38 settings at M=1, ~36 at M=2).
 COARSE_PLAN = (
-    (False, ((16, 256), (32, 128), (32, 256), (64, 128), (16, 512), (64, 256), (128, 128), (128, 256)),
-     (4, 8), (1, 3)),
-    (True, ((64, 128), (128, 128), (64, 256)), (4,), (3, 4)),
+    (False, ((16, 256), (32, 128), (32, 256), (64, 128), (16, 512), (64, 256)), (4, 8), (1, 3), False),
+    (False, ((16, 256), (32, 256), (64, 128), (16, 512)), (4, 8), (1,), True),
+    (True, ((64, 128), (128, 128), (64, 256)), (4,), (3, 4), False),
 )
 COARSE_CAP = 40
 REFINE_TOP = 5
@@ -128,16 +138,18 @@ class Setting:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    x_tile_load: bool = False
 
     @property
     def label(self) -> str:
         path = "dot" if self.use_dot else "fma"
         split = f"-k{self.split_k}" if self.split_k > 1 else ""
-        return f"{path}-{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}{split}"
+        x_tile = "-xt" if self.x_tile_load else ""
+        return f"{path}-{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}{split}{x_tile}"
 
     def options(self) -> dict:
-        return dict(use_dot=self.use_dot, block_n=self.block_n, block_k=self.block_k,
-                    num_warps=self.num_warps, num_stages=self.num_stages, split_k=self.split_k)
+        return dict(use_dot=self.use_dot, block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps,
+                    num_stages=self.num_stages, split_k=self.split_k, x_tile_load=self.x_tile_load)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -165,6 +177,8 @@ def prune_reason(setting: Setting, rows: int, shape: Shape, sm_count: int = H200
     tile = setting.block_n * setting.block_k
     if not setting.use_dot and rows > FMA_MAX_ROWS:
         return f"the CUDA-core path takes M <= {FMA_MAX_ROWS}"
+    if setting.use_dot and setting.x_tile_load:
+        return "x_tile_load is for the CUDA-core path"
     if setting.use_dot:
         # The weight tile as 16-bit values (two a register) plus the [16, block_n] accumulator.
         registers = (tile / 2 + DOT_ROWS * setting.block_n) / threads
@@ -176,7 +190,11 @@ def prune_reason(setting: Setting, rows: int, shape: Shape, sm_count: int = H200
         return "fewer 16-byte weight vectors than threads"
     if setting.block_k > max(BLOCK_K_VALUES[0], _next_power_of_two(shape.k)):
         return f"block_k {setting.block_k} wider than K={shape.k}"
-    x_bytes = DOT_ROWS * setting.block_k * 2 if setting.use_dot else 0
+    # x pipelined with the weight: a 16-row tile on the tl.dot path; with x_tile_load, one
+    # [block_n, block_k] tile a row.
+    x_bytes = DOT_ROWS * setting.block_k * X_BYTES if setting.use_dot else 0
+    if setting.x_tile_load:
+        x_bytes = rows * tile * X_BYTES
     if setting.num_stages > 1 and setting.num_stages * (tile + x_bytes) > MAX_PIPELINE_BYTES:
         return f"{setting.num_stages} stages of {tile + x_bytes} B exceed {MAX_PIPELINE_BYTES} B of shared memory"
     if setting.split_k > 1:
@@ -193,12 +211,12 @@ def prune_reason(setting: Setting, rows: int, shape: Shape, sm_count: int = H200
 def coarse_grid(rows: int, shape: Shape, sm_count: int = H200_SM_COUNT, cap: int = COARSE_CAP) -> list[Setting]:
     """:data:`COARSE_PLAN` at ``rows`` x ``shape``, pruned, deduplicated, at most ``cap``."""
     grid: list[Setting] = []
-    for use_dot, tiles, warps, stages in COARSE_PLAN:
+    for use_dot, tiles, warps, stages, x_tile_load in COARSE_PLAN:
         for (block_n, block_k) in tiles:
             for num_warps in warps:
                 for num_stages in stages:
                     setting = Setting(use_dot, block_n, block_k, num_warps, num_stages,
-                                      fill_split(block_n, block_k, shape, sm_count))
+                                      fill_split(block_n, block_k, shape, sm_count), x_tile_load)
                     if setting not in grid and prune_reason(setting, rows, shape, sm_count) is None:
                         grid.append(setting)
     return grid[:cap]
@@ -210,9 +228,11 @@ def _step(values: tuple[int, ...], value: int, delta: int) -> int | None:
 
 
 def neighbours(setting: Setting, shape: Shape, sm_count: int = H200_SM_COUNT) -> list[Setting]:
-    """Settings one knob away from ``setting``: block_n, block_k and warps one value up or down,
-    every other stage count, ``split_k`` doubled or halved (a new tile gets its filling split)."""
-    out: list[Setting] = []
+    """Settings one knob away from ``setting``: ``x_tile_load`` flipped (CUDA-core path; first,
+    so that a capped refinement tries it on every parent), block_n, block_k and warps one value
+    up or down, every other stage count, ``split_k`` doubled or halved (a new tile gets its
+    filling split)."""
+    out: list[Setting] = [] if setting.use_dot else [replace(setting, x_tile_load=not setting.x_tile_load)]
     for field, values in (("block_n", BLOCK_N_VALUES), ("block_k", BLOCK_K_VALUES)):
         for delta in (-1, 1):
             value = _step(values, getattr(setting, field), delta)

@@ -16,7 +16,13 @@ L2. Two inner products, chosen by the number of rows:
 
 * ``M <= 4`` (the modulation case): per row, a ``[BLOCK_N, BLOCK_K]`` float32
   accumulator of ``w * x`` products (CUDA-core FMAs), summed over ``K`` once after
-  the loop, so the loop has no cross-thread reduction.
+  the loop, so the loop has no cross-thread reduction. ``x`` is loaded as a ``[BLOCK_K]``
+  vector, which Triton moves into the weight tile's layout through shared memory (in the
+  sm_90 code: 4 to 8 block-wide barriers a loop step at the default tiles);
+  ``x_tile_load=True`` loads it in the tile's ``[BLOCK_N, BLOCK_K]`` layout instead (no
+  barrier or shared-memory load in the loop; the tile's rows read the same addresses). Off
+  by default until measured; pipelined (``num_stages > 1``) it copies that whole ``x`` tile
+  through shared memory too.
 * ``4 < M <= 16``: ``tl.dot`` on a 16-row tile (rows past ``M`` repeat a valid row
   and are never stored), the weight tile converted to ``x``'s dtype in registers
   (exact: every INT8 and e4m3 value is a bfloat16/float16 value). At 8 or more rows
@@ -79,8 +85,22 @@ def _finish_tile(acc, rows, cols, pid_k, M, N, scale_ptr, bias_ptr, out_ptr,
 
 
 @triton.jit
-def _row_product(x_ptr, row, stride_xm, x_cols, rk, w, k_left, EVEN_K: tl.constexpr):
-    """``w * x[row, cols]`` in float32, ``[BLOCK_N, BLOCK_K]`` (columns ``rk >= k_left`` are 0)."""
+def _row_product(x_ptr, row, stride_xm, x_cols, rk, w, k_left, EVEN_K: tl.constexpr, X_TILE_LOAD: tl.constexpr):
+    """``w * x[row, cols]`` in float32, ``[BLOCK_N, BLOCK_K]`` (columns ``rk >= k_left`` are 0).
+
+    ``X_TILE_LOAD``: load ``x[row, cols]`` directly in ``w``'s ``[BLOCK_N, BLOCK_K]`` shape and
+    layout (each thread reads the ``x`` values of its own weight columns; the rows of the tile
+    repeat addresses, served from L1). Otherwise ``x`` is loaded as a ``[BLOCK_K]`` vector, which
+    Triton moves into ``w``'s layout through shared memory (block-wide barriers every loop step
+    in the sm_90 code).
+    """
+    if X_TILE_LOAD:
+        ptrs = tl.broadcast_to(x_ptr + row * stride_xm + x_cols[None, :], w.shape)
+        if EVEN_K:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=tl.broadcast_to((rk < k_left)[None, :], w.shape), other=0.0)
+        return w * x.to(tl.float32)
     if EVEN_K:
         x = tl.load(x_ptr + row * stride_xm + x_cols)
     else:
@@ -95,7 +115,7 @@ def _weight_only_gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_os, stride_om, stride_on,
     ROWS: tl.constexpr, USE_DOT: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FMA_LOOP_STAGES: tl.constexpr,
+    FMA_LOOP_STAGES: tl.constexpr, X_TILE_LOAD: tl.constexpr,
 ):
     """Program ``(pid_n, pid_k)``: output columns ``pid_n * BLOCK_N + [0, BLOCK_N)`` over the
     ``K`` range ``pid_k * k_per_split + [0, k_per_split)`` (one range when not split).
@@ -105,6 +125,7 @@ def _weight_only_gemv_kernel(
     ``FMA_LOOP_STAGES``: the CUDA-core loop's software-pipelining depth, or ``None`` (not
     pipelined). Triton pipelines the loads of a loop without ``tl.dot`` only when the loop
     itself carries ``num_stages``; the launch option alone pipelines the ``tl.dot`` loop only.
+    ``X_TILE_LOAD``: the CUDA-core loop reads ``x`` in the weight tile's layout (:func:`_row_product`).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,13 +172,13 @@ def _weight_only_gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=rk[None, :] < k_left, other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            acc0 += _row_product(x_ptr, 0, stride_xm, x_cols, rk, w, k_left, EVEN_K)
+            acc0 += _row_product(x_ptr, 0, stride_xm, x_cols, rk, w, k_left, EVEN_K, X_TILE_LOAD)
             if ROWS > 1:
-                acc1 += _row_product(x_ptr, 1, stride_xm, x_cols, rk, w, k_left, EVEN_K)
+                acc1 += _row_product(x_ptr, 1, stride_xm, x_cols, rk, w, k_left, EVEN_K, X_TILE_LOAD)
             if ROWS > 2:
-                acc2 += _row_product(x_ptr, 2, stride_xm, x_cols, rk, w, k_left, EVEN_K)
+                acc2 += _row_product(x_ptr, 2, stride_xm, x_cols, rk, w, k_left, EVEN_K, X_TILE_LOAD)
             if ROWS > 3:
-                acc3 += _row_product(x_ptr, 3, stride_xm, x_cols, rk, w, k_left, EVEN_K)
+                acc3 += _row_product(x_ptr, 3, stride_xm, x_cols, rk, w, k_left, EVEN_K, X_TILE_LOAD)
             w_ptrs += BLOCK_K * stride_wk
             x_cols += BLOCK_K * stride_xk
         one = tl.arange(0, 1)
@@ -247,6 +268,7 @@ def launch_weight_only_gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     use_dot: bool | None = None,
+    x_tile_load: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ (w_q * w_scale[:, None])^T + bias`` as ``[M, N]`` in ``x``'s dtype (module docstring).
@@ -259,8 +281,11 @@ def launch_weight_only_gemv(
     in flight per program, on both paths; ``None`` leaves the CUDA-core loop unpipelined);
     ``split_k`` (>= 1: programs sharing each column block's ``K``; the effective value can
     be lower, so that no program gets an empty range); ``use_dot`` (the ``tl.dot`` path;
-    ``False`` needs ``M <= 4``). ``out``: an ``[M, N]`` tensor of ``x``'s dtype to write into
-    (any strides; for tests that poison it), else a new one. Launched through
+    ``False`` needs ``M <= 4``); ``x_tile_load`` (CUDA-core path only: read ``x`` in the weight
+    tile's layout, no shared-memory shuffle of ``x`` in the loop; with ``num_stages = s > 1``
+    the pipeline holds ``s - 1`` such ``x`` tiles, ``M * block_n * block_k`` values each, in
+    shared memory; ``False`` keeps the default kernel). ``out``: an ``[M, N]`` tensor of
+    ``x``'s dtype to write into (any strides; for tests that poison it), else a new one. Launched through
     ``torch.library.wrap_triton``, so that Inductor tracing the op around it
     (``omni_kernels.quant.linear``) launches the kernels from its own code.
     """
@@ -290,6 +315,11 @@ def launch_weight_only_gemv(
     use_dot = m > FMA_MAX_ROWS if use_dot is None else use_dot
     if not isinstance(use_dot, bool) or (not use_dot and m > FMA_MAX_ROWS):
         raise ValueError(f"use_dot must be None, True, or False with M <= {FMA_MAX_ROWS}; got {use_dot!r} for M={m}")
+    if not isinstance(x_tile_load, bool) or (x_tile_load and use_dot):
+        raise ValueError(
+            f"x_tile_load must be a bool, and True only on the CUDA-core path (use_dot False, M <= {FMA_MAX_ROWS}); "
+            f"got {x_tile_load!r} with use_dot={use_dot} for M={m}"
+        )
     default_n, default_k, default_warps = default_tiles(m if not use_dot else GEMV_MAX_M)
     block_n = default_n if block_n is None else block_n
     block_k = default_k if block_k is None else block_k
@@ -334,6 +364,7 @@ def launch_weight_only_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         FMA_LOOP_STAGES=None if use_dot else num_stages,
+        X_TILE_LOAD=x_tile_load,
         **options,
     )
     if partial is not None:

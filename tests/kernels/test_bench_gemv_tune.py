@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,6 +44,10 @@ def test_coarse_grid_is_nonempty_pruned_and_capped(tune):
         assert len(set(coarse)) == len(coarse)
         assert [s for s in coarse if tune.prune_reason(s, rows, shape) is not None] == []
         assert any(s.use_dot for s in coarse) and any(not s.use_dot for s in coarse)
+        # x_tile_load both ways at some tiles (the plan's last CUDA-core entry, not cut by the cap).
+        tiled = [s for s in coarse if s.x_tile_load]
+        assert tiled and all(replace(s, x_tile_load=False) in coarse for s in tiled)
+        assert not any(s.use_dot and s.x_tile_load for s in coarse)
     double = tune.SHAPES["flux-adaln-double"]
     assert len(tune.coarse_grid(1, double, cap=5)) == 5
     # Two rows hold fewer accumulators a thread: the plan's largest tiles are pruned.
@@ -61,6 +67,12 @@ def test_prune_reasons(tune):
     assert "already fill" in tune.prune_reason(setting(False, 32, 256, 4, 1, 2), 1, double)
     assert tune.prune_reason(setting(False, 128, 128, 8, 1, 2), 1, single) is None  # 72 column blocks
     assert "chunks" in tune.prune_reason(setting(False, 16, 128, 4, 1, 4), 1, tune.SHAPES["tiny"])
+    assert "CUDA-core" in tune.prune_reason(setting(True, 64, 128, 4, 3, 1, True), 1, double)
+    # Pipelined with x_tile_load, each stage holds an x tile a row besides the weight tile:
+    # 2 x (8 KiB + 3 x 16 KiB) fit in 160 KiB, 4 x 56 KiB do not; 4 weight tiles alone do.
+    assert tune.prune_reason(setting(False, 32, 256, 8, 2, 1, True), 3, double) is None
+    assert "shared memory" in tune.prune_reason(setting(False, 32, 256, 8, 4, 1, True), 3, double)
+    assert tune.prune_reason(setting(False, 32, 256, 8, 4, 1, False), 3, double) is None
 
 
 def test_fill_split(tune):
@@ -84,9 +96,14 @@ def test_refinement_takes_unmeasured_neighbours_of_the_fastest(tune):
     assert len(tune.refine_grid(ranked, set(ranked), 1, shape, cap=3)) == 3
     # Each neighbour moves one knob (a new tile may bring its own split_k).
     parent = tune.Setting(False, 32, 256, 4, 3)
-    for near in tune.neighbours(parent, shape):
+    near_parent = tune.neighbours(parent, shape)
+    for near in near_parent:
         moved = {k for k, v in near.options().items() if v != parent.options()[k]} - {"split_k"}
         assert len(moved) == 1 or (not moved and near.split_k != parent.split_k)
+    # The first neighbour flips x_tile_load (CUDA-core path only).
+    assert near_parent[0] == replace(parent, x_tile_load=True)
+    assert tune.neighbours(near_parent[0], shape)[0] == parent
+    assert not any(s.x_tile_load for s in tune.neighbours(tune.Setting(True, 64, 128, 4, 3), shape))
 
 
 def test_every_setting_is_a_valid_launcher_call(tune):
@@ -176,6 +193,10 @@ def test_sweep_runs_in_the_interpreter(tune, monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "_padded_us", lambda fn, host_us: 1.5)
     monkeypatch.setattr(tune, "_flush_us", lambda: 70.0)
     monkeypatch.setattr(tune, "_sm_count", lambda: tune.H200_SM_COUNT)
+    # A small plan with both x loads (unpipelined and pipelined) and the tl.dot path.
+    monkeypatch.setattr(tune, "COARSE_PLAN", ((False, ((16, 128),), (4,), (1,), False),
+                                              (False, ((16, 128),), (4,), (1, 3), True),
+                                              (True, ((64, 128),), (4,), (3,), False)))
     argv = ["--shapes", "tiny", "--weights", "int8", "--rows", "2", "--coarse-cap", "4", "--refine-top", "2",
             "--refine-cap", "3", "--jobs", "0", "--tag", "test", "--out-dir", str(tmp_path)]
     assert tune.main(argv) == 0
@@ -185,6 +206,9 @@ def test_sweep_runs_in_the_interpreter(tune, monkeypatch, tmp_path):
     assert len(grid) == 4 + 3 and len({r["setting"] for r in grid}) == len(grid)
     assert all(r["status"].startswith("ok") for r in results), [r["status"] for r in results]
     assert [r["phase"] for r in grid] == ["coarse"] * 4 + ["refine"] * 3
+    coarse = [(r["options"]["use_dot"], r["options"]["num_stages"], r["options"]["x_tile_load"]) for r in grid[:4]]
+    assert coarse == [(False, 1, False), (False, 1, True), (False, 3, True), (True, 3, False)]
+    assert grid[1]["setting"].endswith("-xt") and not grid[0]["setting"].endswith("-xt")
     # The fake times fall call by call: the last refined setting is the fastest.
     table = json_path.with_suffix(".md").read_text()
     assert f"| tiny | int8 | 2 | 1000.0 | 999.0 | 998.0 | {grid[-1]['setting']} |" in table

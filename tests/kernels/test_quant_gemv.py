@@ -2,7 +2,7 @@
 
 CPU part (CI, ``TRITON_INTERPRET=1``; float16/float32 activations, INT8 and FP8 weights):
 the GEMV against a float64 product of the dequantized weight at small odd sizes (both
-inner-product paths, split-K, every tuning knob, strided inputs), outputs written into a
+inner-product paths, split-K, every tuning knob including ``x_tile_load``, strided inputs), outputs written into a
 NaN-poisoned buffer (every element written, nothing outside), bias in ``x``'s dtype, in
 float32 or none; argument checks; ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)``
 of the op; :func:`~omni_kernels.quant.weight_only_mm`'s ``"triton_gemv"`` backend, its
@@ -124,13 +124,9 @@ KNOBS = [
 ]
 
 
-@needs_interpreter
-@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
-@pytest.mark.parametrize("m,k,knobs", KNOBS)
-def test_gemv_tuning_knobs_and_split_k(inputs, monkeypatch, m, k, knobs, qdtype):
-    """Every knob gives the reference's result; split-K partial sums are written in full
-    (new buffers are NaN-poisoned here) and added in a fixed order (two runs: same bits)."""
-    x, w_q, w_scale, bias = _operands(inputs, m, k, 100, qdtype, torch.float32)
+def _poison_new_buffers(monkeypatch):
+    """From here on (until ``monkeypatch.undo()``), new floating-point ``torch.empty`` tensors
+    (the split-K partial sums) start as NaN: a partial sum left unwritten shows."""
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):
@@ -138,12 +134,58 @@ def test_gemv_tuning_knobs_and_split_k(inputs, monkeypatch, m, k, knobs, qdtype)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,knobs", KNOBS)
+def test_gemv_tuning_knobs_and_split_k(inputs, monkeypatch, m, k, knobs, qdtype):
+    """Every knob gives the reference's result; split-K partial sums are written in full
+    (new buffers are NaN-poisoned here) and added in a fixed order (two runs: same bits)."""
+    x, w_q, w_scale, bias = _operands(inputs, m, k, 100, qdtype, torch.float32)
+    _poison_new_buffers(monkeypatch)
     out = _gemv(x, w_q, w_scale, bias, **knobs)
     again = _gemv(x, w_q, w_scale, bias, **knobs)
     monkeypatch.undo()
     assert torch.isfinite(out).all()
     assert _rel(out, _reference(x, w_q, w_scale, bias)) <= TOLERANCE[torch.float32]
     assert torch.equal(out, again)
+
+
+# x_tile_load shapes: K and N odd with the default tiles (K < BLOCK_K: column masks), and K a
+# multiple of BLOCK_K (no masks; N odd).
+X_TILE_SHAPES = [
+    pytest.param(199, 101, {}, id="odd-k"),
+    pytest.param(160, 37, dict(block_n=16, block_k=32), id="even-k"),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bias_dtype", ["x", None], ids=["bias", "nobias"])
+@pytest.mark.parametrize("k,n,knobs", X_TILE_SHAPES)
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_x_tile_load(inputs, monkeypatch, m, qdtype, x_dtype, k, n, knobs, bias_dtype):
+    """``x_tile_load=True`` (x read in the weight tile's layout; CUDA-core path) against float64,
+    K unsplit and split in 3, into a NaN-poisoned output (and NaN-poisoned partial sums). ``x``
+    is a view of a buffer with NaN columns past K: a column read without its mask makes NaNs.
+    The interpreter computes the same products in the same order either way: same bits as the
+    default load."""
+    x, w_q, w_scale, bias = _operands(inputs, m, k, n, qdtype, x_dtype, bias_dtype)
+    reference = _reference(x, w_q, w_scale, bias)
+    x_buffer = torch.full((m, k + 16), float("nan"), dtype=x_dtype)
+    x_buffer[:, :k] = x
+    x = x_buffer[:, :k]
+    _poison_new_buffers(monkeypatch)
+    for split_k in (1, 3):
+        buffer, out = _poisoned_out(m, n, x_dtype)
+        _gemv(x, w_q, w_scale, bias, x_tile_load=True, split_k=split_k, out=out, **knobs)
+        _check_border(buffer, m, n)
+        assert torch.isfinite(out).all(), f"split_k={split_k}: an output element was not written"
+        err = _rel(out, reference)
+        assert err <= TOLERANCE[x_dtype], f"split_k={split_k}: relative error {err:.3e}"
+        assert torch.equal(out, _gemv(x, w_q, w_scale, bias, split_k=split_k, **knobs))
 
 
 def test_default_split_k_rule():
@@ -195,7 +237,13 @@ def test_gemv_empty_sizes(inputs):
     (dict(), dict(split_k=0), r"split_k must be None or an int >= 1; got 0"),
     (dict(), dict(num_stages=0), r"num_stages must be None or an int >= 1; got 0"),
     (dict(m=5), dict(use_dot=False), r"use_dot must be None, True, or False with M <= 4; got False for M=5"),
-], ids=["m17", "bias-dtype", "block_n", "block_k", "num_warps", "split_k", "num_stages", "use_dot"])
+    (dict(), dict(x_tile_load=1), r"x_tile_load must be a bool, .*; got 1 with use_dot=False for M=2"),
+    (dict(), dict(x_tile_load=True, use_dot=True),
+     r"x_tile_load must be a bool, and True only on the CUDA-core path \(use_dot False, M <= 4\); "
+     r"got True with use_dot=True for M=2"),
+    (dict(m=5), dict(x_tile_load=True), r"x_tile_load .*; got True with use_dot=True for M=5"),
+], ids=["m17", "bias-dtype", "block_n", "block_k", "num_warps", "split_k", "num_stages", "use_dot",
+        "x_tile_load-type", "x_tile_load-dot", "x_tile_load-m5"])
 def test_gemv_argument_checks(inputs, args, knobs, match):
     pytest.importorskip("triton")
     m = args.get("m", 2)
@@ -366,6 +414,26 @@ def test_gpu_gemv_at_flux_modulation_shapes(inputs, m, k, n, qdtype):
     print(f"{qdtype} GEMV M={m} {k}->{n}: rel err vs float64 {err:.2e}")
     assert err <= TOLERANCE[torch.bfloat16]
     assert torch.equal(weight_only_mm(x, w_q, w_scale, bias), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_stages", [None, 3])
+@pytest.mark.parametrize("qdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,n", FLUX_MODULATION_SHAPES + [pytest.param(4, 3072, 3072, id="split-k-M4")])
+def test_gpu_gemv_x_tile_load(inputs, m, k, n, qdtype, num_stages):
+    """``x_tile_load=True``, unpipelined and pipelined, bfloat16: against float64 into a poisoned
+    buffer, as accurate as the default load (the sums may be reduced in another order)."""
+    _skip_without_fp8(qdtype)
+    x, w_q, w_scale, bias = _operands(inputs, m, k, n, qdtype, torch.bfloat16, device="cuda")
+    buffer, out = _poisoned_out(m, n, torch.bfloat16, "cuda")
+    _gemv(x, w_q, w_scale, bias, x_tile_load=True, num_stages=num_stages, out=out)
+    torch.cuda.synchronize()
+    _check_border(buffer, m, n)
+    assert torch.isfinite(out).all()
+    reference = _reference(x, w_q, w_scale, bias)
+    err, default_err = _rel(out, reference), _rel(_gemv(x, w_q, w_scale, bias, num_stages=num_stages), reference)
+    print(f"{qdtype} GEMV x_tile_load M={m} {k}->{n} stages={num_stages}: rel err {err:.2e} (default load {default_err:.2e})")
+    assert err <= TOLERANCE[torch.bfloat16] and err <= 1.5 * default_err + 1e-4
 
 
 @pytest.mark.gpu
