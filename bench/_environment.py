@@ -83,6 +83,30 @@ def device_slug(name: str, empty: str = "unknown-device") -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or empty
 
 
+def median_us(fn, *, warmup: int = 25, rep: int = 200) -> float:
+    """``triton.testing.do_bench``'s median of ``fn`` in microseconds (L2 flushed before each
+    call; ``warmup`` and ``rep`` in ms), launched outside ``torch.library.wrap_triton``'s tracing
+    path, as eager calls of omni's ops and Inductor's generated code launch their kernels
+    (calling a wrapped launcher directly otherwise goes through a slow higher-order op)."""
+    import triton
+    from torch._library.triton import set_wrap_triton_enabled
+
+    with set_wrap_triton_enabled(False):
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def write_results(out_dir: Path, name: str, env: dict, payload: dict, table: str) -> Path:
+    """Write ``payload`` as ``{name}_{device}_{UTC date}.json`` and ``table`` as the ``.md``
+    beside it in ``out_dir`` (created); returns the path without suffix."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{name}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    stem.with_suffix(".md").write_text(table + "\n")
+    return stem
+
+
 def init_torchrun_process_group(cpu: bool, timeout: _dt.timedelta | None = None) -> torch.device:
     """Join torchrun's default process group; returns this process's device.
 

@@ -46,8 +46,6 @@ sums K in another order, and the float32 sums round to bf16 apart; ~1e-4 relativ
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import statistics
 import sys
@@ -60,7 +58,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment, device_slug, gpu_refusal  # noqa: E402
+from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -322,14 +320,6 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def _median_us(fn, rep_ms: int) -> float:
-    import triton
-    from torch._library.triton import set_wrap_triton_enabled
-
-    with set_wrap_triton_enabled(False):
-        return triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median") * 1e3
-
-
 def _host_us(fn, calls: int = 20) -> float:
     """CPU time of one call (launches queued, not waited for)."""
     from torch._library.triton import set_wrap_triton_enabled
@@ -496,7 +486,7 @@ class CaseRun:
         return row
 
     def _timed(self, fn, weight_bytes: int) -> dict:
-        us = _median_us(fn, self.rep_ms)
+        us = median_us(fn, warmup=5, rep=self.rep_ms)
         return dict(us=us, gbps=weight_bytes / us / 1e3, vs_bf16=self.bf16_us / us if self.bf16_us else None,
                     host_us=_host_us(fn))
 
@@ -707,19 +697,16 @@ def main(argv=None) -> int:
               + (f"{best['setting']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
                  f"{best.get('vs_bf16') or 0:.2f}x bf16's {bf16.get('us') or 0:.1f} us) options {best['options']}"
                  if best else "no setting agreed with the default"), flush=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"-{args.tag}" if args.tag else ""
-    stem = f"gemv_tune{tag}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     grid = dict(coarse_plan=COARSE_PLAN, coarse_cap=args.coarse_cap, refine_top=args.refine_top,
                 refine_cap=args.refine_cap, sm_count=sm_count, rep_ms=args.rep_ms, seed=args.seed)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, grid=grid, flush_us=flush_us, elapsed_s=time.monotonic() - start,
-             cases=[dict(shape=asdict(run.case.shape), weight=run.case.weight, m=run.case.rows) for run in runs],
-             results=rows), indent=2, default=str) + "\n")
     table = markdown(env, rows, flush_us)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
+    stem = write_results(args.out_dir, f"gemv_tune{tag}", env, dict(
+        environment=env, grid=grid, flush_us=flush_us, elapsed_s=time.monotonic() - start,
+        cases=[dict(shape=asdict(run.case.shape), weight=run.case.weight, m=run.case.rows) for run in runs],
+        results=rows), table)
     print(table)
-    print(f"elapsed {time.monotonic() - start:.0f} s; wrote {args.out_dir / stem}.{{json,md}}")
+    print(f"elapsed {time.monotonic() - start:.0f} s; wrote {stem}.{{json,md}}")
     differs = [r for r in rows if r["status"].startswith("differs")]
     return 1 if differs else 0
 

@@ -30,8 +30,6 @@ once, 8-bit output written once).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment, device_slug, gpu_refusal  # noqa: E402
+from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,14 +72,6 @@ def settings(shape: Shape) -> list[tuple[str, dict]]:
     return out
 
 
-def _bench_us(fn) -> float:
-    import triton
-    from torch._library.triton import set_wrap_triton_enabled
-
-    with set_wrap_triton_enabled(False):
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
 def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: int) -> list[dict]:
     from omni_kernels.quant.activated_triton_kernel import launch_quantize_activated_triton as launch
 
@@ -100,7 +90,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
             if baseline is None:
                 baseline = (q, scale)
             same = torch.equal(scale, baseline[1]) and torch.equal(q.view(torch.uint8), baseline[0].view(torch.uint8))
-            us = _bench_us(call)
+            us = median_us(call)
             rows.append(dict(shape=shape.name, setting=label, us=us, gbps=nbytes / us / 1e3,
                              same_as_default=same, status="ok" if same else "differs from the default"))
         except Exception as exc:  # a setting the compiler rejects (registers, say): record, go on
@@ -114,11 +104,11 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
         # The two kernels' GELUs may round apart: scales within 1e-5, codes equal in 99% of values.
         agree = bool(torch.allclose(scale, baseline[1], rtol=1e-5, atol=0)
                      and (q.float() != baseline[0].float()).float().mean() < 0.01)
-        us = _bench_us(call_cuda)
+        us = median_us(call_cuda)
         rows.append(dict(shape=shape.name, setting="cuda", us=us, gbps=nbytes / us / 1e3, same_as_default=agree,
                          status="ok" if agree else "differs from the Triton kernel's (beyond one code in 1%)"))
     if head is not None:
-        us = _bench_us(lambda: launch(torch.cat([head, x], -1), shape.prefix, 0.0, out_dtype))
+        us = median_us(lambda: launch(torch.cat([head, x], -1), shape.prefix, 0.0, out_dtype))
         rows.append(dict(shape=shape.name, setting="cat+kernel", us=us, gbps=None, same_as_default=None,
                          status="ok"))
     return rows
@@ -170,13 +160,9 @@ def main(argv=None) -> int:
     for shape in shapes:
         rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed)
         torch.cuda.empty_cache()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"quant_activation_tune_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows),
-        indent=2, default=str) + "\n")
     table = markdown(env, shapes, rows, args.dtype)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
+    write_results(args.out_dir, "quant_activation_tune", env,
+                  dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows), table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

@@ -26,8 +26,6 @@ GB/s over the bytes a kernel must move (input read once, 8-bit output written on
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench._environment import base_environment, device_slug, gpu_refusal  # noqa: E402
+from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -76,12 +74,6 @@ def values_per_thread(cols: int, options: dict) -> int:
     rows = options.get("rows_per_program", 1)
     warps = options.get("num_warps") or (default_warps if rows == 1 else multi_row_warps(rows, block))
     return rows * block // (32 * warps)
-
-
-def _bench_us(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def _agree_within_tolerance(q_a, s_a, q_b, s_b) -> bool:
@@ -131,7 +123,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
         agree = _agree_within_tolerance(q_c, s_c, q_t, s_t)
         for label, op in (("cuda", torch.ops.omni_kernels.quantize_per_token),
                           ("triton", torch.ops.omni_kernels.quantize_per_token_triton)):
-            record(label, _bench_us(lambda op=op: op(*args)), None if label == "cuda" else True,
+            record(label, median_us(lambda op=op: op(*args)), None if label == "cuda" else True,
                    "ok" if agree else f"cuda and triton differ (largest code difference {steps.max().item():.3g})")
         del q_c, s_c
         for label, options in triton_settings():
@@ -146,7 +138,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
                 q, scale = call()
                 same, status = compare_with_default(q, scale, q_t, s_t, fused)
                 del q, scale
-                record(label, _bench_us(call), same, status)
+                record(label, median_us(call), same, status)
             except Exception as exc:  # a setting the compiler rejects (resources, say): record, go on
                 record(label, None, None, f"error: {type(exc).__name__}: {exc}"[:300])
     return rows
@@ -210,13 +202,9 @@ def main(argv=None) -> int:
         for fused in (False, True):
             rows += run_shape(shape, fused, dtype, args.seed, args.max_values_per_thread)
         torch.cuda.empty_cache()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"quant_per_token_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows),
-        indent=2, default=str) + "\n")
     table = markdown(env, shapes, rows, args.dtype)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
+    write_results(args.out_dir, "quant_per_token", env,
+                  dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows), table)
     print(table)
     return 0 if all(r["status"] == "ok" or r["status"].startswith(("ok,", "skipped")) for r in rows) else 1
 

@@ -37,7 +37,14 @@ import torch
 from omni_kernels._backend_choice import choose_backend
 from omni_kernels._triton import triton_interpreter_enabled
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
-from omni_kernels.quant.dispatch import fp8_unsupported_reason, resolve_quant_dtype, triton_ineligible_reason
+from omni_kernels.quant.dispatch import (
+    CUDA_DTYPES,
+    CUDA_MAX_ROW,
+    CUDA_VECTOR_ELEMENTS,
+    fp8_unsupported_reason,
+    resolve_quant_dtype,
+    triton_ineligible_reason,
+)
 from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_activated_reference
 
 logger = logging.getLogger(__name__)
@@ -47,10 +54,6 @@ ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
 # 4608 x (3072 + 12288): 105 vs 132 us, bench/results/quant_activation_tune-gelu-division_*),
 # and under torch.compile Inductor launches it from its own code (the CUDA op is an opaque call).
 _AUTO_ORDER = ("triton", "cuda", "torch")
-# csrc/quant/quant_params.h: 16-byte vectors of 8 half-precision values, rows of at most
-# 512 threads x 8 vectors x 8 values.
-_CUDA_VECTOR_ELEMENTS = 8
-_CUDA_MAX_ROW = 512 * 8 * 8
 _logged_auto_choices: set[tuple] = set()
 
 
@@ -107,20 +110,20 @@ def _cuda_ineligible_reason(x2: torch.Tensor, prefix2: torch.Tensor | None, qdty
         return error
     if x2.device.type != "cuda":
         return f"the CUDA kernel needs CUDA tensors; got device {x2.device}"
-    if x2.dtype not in (torch.float16, torch.bfloat16):
+    if x2.dtype not in CUDA_DTYPES:
         return f"the CUDA kernel takes float16 or bfloat16; got {x2.dtype}"
     width = 0
     for name, t in (("x", x2), ("prefix", prefix2)):
         if t is None:
             continue
         width += t.shape[1]
-        if t.shape[1] % _CUDA_VECTOR_ELEMENTS or t.stride(0) % _CUDA_VECTOR_ELEMENTS:
+        if t.shape[1] % CUDA_VECTOR_ELEMENTS or t.stride(0) % CUDA_VECTOR_ELEMENTS:
             return (f"the CUDA kernel needs {name}'s columns and row stride to be multiples of "
-                    f"{_CUDA_VECTOR_ELEMENTS}; got {t.shape[1]} columns, row stride {t.stride(0)}")
-        if not torch.compiler.is_compiling() and t.storage_offset() % _CUDA_VECTOR_ELEMENTS:
+                    f"{CUDA_VECTOR_ELEMENTS}; got {t.shape[1]} columns, row stride {t.stride(0)}")
+        if not torch.compiler.is_compiling() and t.storage_offset() % CUDA_VECTOR_ELEMENTS:
             return f"the CUDA kernel needs {name} to start 16-byte aligned; got storage offset {t.storage_offset()}"
-    if width > _CUDA_MAX_ROW:
-        return f"the CUDA kernel keeps a row of at most {_CUDA_MAX_ROW} values in registers; got {width}"
+    if width > CUDA_MAX_ROW:
+        return f"the CUDA kernel keeps a row of at most {CUDA_MAX_ROW} values in registers; got {width}"
     if qdtype == FP8_DTYPE:
         return fp8_unsupported_reason(x2.device)
     return None

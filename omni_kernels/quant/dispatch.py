@@ -43,11 +43,11 @@ def auto_order(rows: int) -> tuple[str, ...]:
     """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens."""
     return _AUTO_ORDER_MANY_ROWS if rows >= _TRITON_FIRST_ROWS else _AUTO_ORDER
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
-_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # The CUDA kernel moves 16 bytes per thread and vector: 8 half-precision elements, and keeps a
 # row of up to 512 threads x 8 vectors x 8 elements in registers (csrc/quant/quant_params.h).
-_CUDA_VECTOR_ELEMENTS = 8
-_CUDA_MAX_ROW = 512 * 8 * 8
+CUDA_VECTOR_ELEMENTS = 8
+CUDA_MAX_ROW = 512 * 8 * 8
 # FP8 e4m3 conversions in hardware (and Triton's float8e4nv) need compute capability 8.9.
 FP8_MIN_CAPABILITY = (8, 9)
 _DTYPE_NAMES = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE, FP8_DTYPE: FP8_DTYPE, INT8_DTYPE: INT8_DTYPE}
@@ -172,17 +172,17 @@ def _cuda_ineligible_reason(x2, qdtype, operands) -> str | None:
         return error
     if x2.device.type != "cuda":
         return f"the CUDA kernel needs CUDA tensors; got device {x2.device}"
-    if x2.dtype not in _CUDA_DTYPES:
+    if x2.dtype not in CUDA_DTYPES:
         return f"the CUDA kernel takes float16 or bfloat16; got {x2.dtype}"
     k = x2.shape[1]
-    if k % _CUDA_VECTOR_ELEMENTS or k > _CUDA_MAX_ROW:
+    if k % CUDA_VECTOR_ELEMENTS or k > CUDA_MAX_ROW:
         return (
-            f"the CUDA kernel needs K a multiple of {_CUDA_VECTOR_ELEMENTS} and at most "
-            f"{_CUDA_MAX_ROW}; got K={k}"
+            f"the CUDA kernel needs K a multiple of {CUDA_VECTOR_ELEMENTS} and at most "
+            f"{CUDA_MAX_ROW}; got K={k}"
         )
-    if x2.stride(0) % _CUDA_VECTOR_ELEMENTS:
+    if x2.stride(0) % CUDA_VECTOR_ELEMENTS:
         return f"the CUDA kernel needs 16-byte aligned rows; got row stride {x2.stride(0)}"
-    if not torch.compiler.is_compiling() and x2.storage_offset() % _CUDA_VECTOR_ELEMENTS:
+    if not torch.compiler.is_compiling() and x2.storage_offset() % CUDA_VECTOR_ELEMENTS:
         return f"the CUDA kernel needs x to start 16-byte aligned; got storage offset {x2.storage_offset()}"
     for name, t in operands.items():
         if t is not None and t.dtype not in (x2.dtype, torch.float32):

@@ -181,14 +181,14 @@ def test_sweep_runs_in_the_interpreter(tune, monkeypatch, tmp_path):
     the default; times are fake (a fixed sequence) but each timed call still runs."""
     fake_times = iter(float(t) for t in range(1000, 0, -1))
 
-    def fake_median(fn, rep_ms):
+    def fake_median(fn, *, warmup, rep):
         fn()
         return next(fake_times)
 
     monkeypatch.setattr(tune, "gpu_refusal", lambda script: None)
     monkeypatch.setattr(tune, "DEVICE", "cpu")
     monkeypatch.setattr(tune, "X_DTYPE", torch.float16)
-    monkeypatch.setattr(tune, "_median_us", fake_median)
+    monkeypatch.setattr(tune, "median_us", fake_median)
     monkeypatch.setattr(tune, "_host_us", lambda fn: 5.0)
     monkeypatch.setattr(tune, "_padded_us", lambda fn, host_us: 1.5)
     monkeypatch.setattr(tune, "_flush_us", lambda: 70.0)
