@@ -390,8 +390,25 @@ def time_variant(model, inputs, warmup: int, iters: int, device: torch.device) -
             begin_s = time.perf_counter()
             forward_once(model, inputs)
             times.append((time.perf_counter() - begin_s) * 1e3)
+    # A denoising loop launches step n+1 while step n still runs on the GPU; the per-call figure
+    # above waits for each forward and so also counts the host's launch latency once a forward.
+    synchronize(device)
+    loop_started = time.perf_counter()
+    if device.type == "cuda":
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record()
+    for _ in range(iters):
+        forward_once(model, inputs)
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        loop_ms = begin.elapsed_time(end) / iters
+    else:
+        loop_ms = (time.perf_counter() - loop_started) * 1e3 / iters
     return dict(first_call_s=round(first_s, 2), forward_ms=statistics.median(times),
-                forward_min_ms=min(times), forward_all_ms=[round(t, 3) for t in times]), out
+                forward_min_ms=min(times), forward_all_ms=[round(t, 3) for t in times],
+                loop_forward_ms=loop_ms), out
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -419,7 +436,7 @@ def run_model(spec: ModelSpec, variants: list[str], device, dtype, args) -> tupl
           f"omni auto attention -> {info['auto_attention']}", file=sys.stderr)
     rows = []
     reference = None
-    eager_ms = None
+    eager_ms = eager_loop_ms = None
     for variant in variants:
         row: dict[str, Any] = dict(model=spec.name, variant=variant, label=VARIANT_LABELS[variant])
         undo = None
@@ -434,18 +451,22 @@ def run_model(spec: ModelSpec, variants: list[str], device, dtype, args) -> tupl
             timing, out = time_variant(model, inputs, warmup, iters, device)
             row.update(timing)
             row["step_ms"] = row["forward_ms"] * spec.forwards_per_step
+            row["loop_step_ms"] = row["loop_forward_ms"] * spec.forwards_per_step
             if device.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if variant == "eager":
                 reference = out.detach().clone()
                 eager_ms = row["forward_ms"]
+                eager_loop_ms = row["loop_forward_ms"]
                 row["rel_err"] = 0.0
             elif reference is not None:
                 row["rel_err"] = relative_error(out, reference)
             if eager_ms is not None:
                 row["speedup"] = eager_ms / row["forward_ms"]
+                row["loop_speedup"] = eager_loop_ms / row["loop_forward_ms"]
             row["status"] = "ok"
-            print(f"  {variant}: {row['forward_ms']:.1f} ms/forward, step {row['step_ms']:.1f} ms, "
+            print(f"  {variant}: {row['forward_ms']:.1f} ms/forward, step {row['step_ms']:.1f} ms "
+                  f"({row['loop_step_ms']:.1f} ms back to back), "
                   f"first call {row['first_call_s']} s, rel err {row.get('rel_err')}", file=sys.stderr)
         except Skip as exc:
             row["status"] = f"skipped: {exc}"
@@ -483,9 +504,11 @@ def targets(rows: list[dict]) -> list[str]:
     flux_d = by.get((MODELS["flux"].name, "omni_fp8"))
     if flux_d is not None:
         if flux_d.get("status") == "ok":
-            ok = flux_d["step_ms"] <= 90.0
-            lines.append(f"Flux (d) step {flux_d['step_ms']:.1f} ms vs target <= 90 ms: "
-                         f"{'MET' if ok else 'NOT MET'}")
+            for key, how in (("step_ms", "each forward synchronized"),
+                             ("loop_step_ms", "forwards back to back, as a denoising loop runs them")):
+                ok = flux_d[key] <= 90.0
+                lines.append(f"Flux (d) step {flux_d[key]:.1f} ms ({how}) vs target <= 90 ms: "
+                             f"{'MET' if ok else 'NOT MET'}")
         else:
             lines.append(f"Flux (d): {flux_d.get('status')}")
     flux_d0 = by.get((MODELS["flux"].name, "omni_fp8_unfused"))
@@ -519,14 +542,15 @@ def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
                      f"{auto.get('backend') or auto.get('reason')}")
     lines += [
         "",
-        "| model | variant | forward ms (median) | step ms | speedup vs (a) | first call s "
-        "| rel err vs (a) | peak GiB | status |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| model | variant | forward ms (median) | step ms | speedup vs (a) | step ms back to back "
+        "| speedup back to back | first call s | rel err vs (a) | peak GiB | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['label']} | {_fmt(r.get('forward_ms'))} | {_fmt(r.get('step_ms'))} "
-            f"| {_fmt(r.get('speedup'), 2, 'x')} | {_fmt(r.get('first_call_s'), 1)} "
+            f"| {_fmt(r.get('speedup'), 2, 'x')} | {_fmt(r.get('loop_step_ms'))} "
+            f"| {_fmt(r.get('loop_speedup'), 2, 'x')} | {_fmt(r.get('first_call_s'), 1)} "
             f"| {'-' if r.get('rel_err') is None else format(r['rel_err'], '.2e')} "
             f"| {_fmt(r.get('peak_gib'), 1)} | {r.get('status')} |"
         )
