@@ -27,9 +27,15 @@ Variants (each applied to the same model and undone before the next):
 (d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization), its
     defaults: the attention q/k/v triples fused into one linear each (one activation
     quantization, one GEMM), the MLP GELUs folded into the quantization of the layers reading
-    them (omni's Triton kernel reads the pre-activation once: ``fuse_activations``), and under
-    compile the other activation quantizations as torch ops that Inductor fuses into the
-    LayerNorm/modulation producing the input.
+    them (omni's Triton kernel reads the pre-activation once: ``fuse_activations``), the
+    blocks' LayerNorm + adaLN outputs quantized once in omni's fused kernel for all the
+    layers reading them (``fuse_norms``, where the adapter declares the blocks: Flux), and
+    under compile the other activation quantizations as torch ops that Inductor fuses into
+    the op producing the input.
+(d7) ``omni_fp8_unfused_norms`` (only when asked for with ``--variants``): (d) with
+    ``fuse_norms=False``: the blocks' own forwards, each layer's quantization of the modulated
+    norm output fused by Inductor (the (d) of earlier runs); (d7) vs (d) is the gain of the
+    norm-fused forwards.
 (d3) ``omni_fp8_unfolded`` (only when asked for with ``--variants``): (d) with
     ``fuse_activations=False``: the GELUs stay modules and Inductor fuses GELU + quantization
     (the (d) of earlier runs); (d3) vs (d) is the gain of the folded GELU.
@@ -98,10 +104,10 @@ from bench._environment import base_environment, device_slug, gpu_refusal  # noq
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope",
-            "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager")
+            "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager", "omni_fp8_unfused_norms")
 # Activation-quantization and launch experiments, run only when --variants names them.
 _OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
-                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager")
+                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager", "omni_fp8_unfused_norms")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -120,6 +126,7 @@ VARIANT_LABELS = {
     "omni_fp8_sage": "(e) (d) + omni quantized attention (omni_sage)",
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
     "omni_fp8_eager": "(g) (d) without compile (eager omni stack)",
+    "omni_fp8_unfused_norms": "(d7) (d), each layer quantizing its LayerNorm + adaLN input itself (fuse_norms=False)",
 }
 
 
@@ -317,6 +324,8 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
             options["activation_backend"] = "split"  # split_k: the default, 8192
         if variant == "omni_fp8_unfolded":
             options["fuse_activations"] = False
+        if variant == "omni_fp8_unfused_norms":
+            options["fuse_norms"] = False
         graphs = {}
         if variant == "omni_fp8_diffusers_norm_rope":
             graphs["fused_norm_rope"] = False

@@ -314,6 +314,7 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
             forget_folded_activations,
             quantize,
             remove_concat_free_forwards,
+            remove_norm_fused_forwards,
             unfuse_projections,
         )
     except ImportError as exc:
@@ -369,6 +370,7 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
                 t.data = t.data.to("cpu")
 
     def undo() -> None:
+        remove_norm_fused_forwards(transformer)
         remove_concat_free_forwards(transformer)
         for t, device in moved:
             t.data = t.data.to(device)

@@ -58,6 +58,16 @@ GELU in its quantization pass (``QuantizedLinear.input_activation``,
 is never written in 16 bits. The GELU is computed in float32 and quantized
 without rounding it to bfloat16 first (the unfused path rounds it once).
 
+Likewise a block's LayerNorm + adaLN modulation output that only W8A8 layers read
+(a DiT block's attention and MLP inputs) is quantized once, in omni's norm/adaLN-fused
+kernel, where the adapter declares the block
+(:attr:`~omni_diffusion.adapters.base.ModelAdapter.norm_fusions`,
+``QuantConfig.fuse_norms``, on by default for W8A8): the block gets a forward that
+computes the norm, modulation and per-token quantization in one pass and gives the
+8-bit tensor to every layer reading it (``QuantizedLinear.forward_quantized``),
+instead of writing the modulated output in 16 bits and quantizing it once per
+reader (under ``torch.compile``, in a kernel Inductor writes).
+
 A ``skip`` or ``include`` pattern that matches no module at all, or a
 ``layer_methods`` pattern that matches no linear layer, raises ``ValueError`` (a
 typo would otherwise silently quantize a layer meant to stay bf16, or with the
@@ -97,6 +107,7 @@ from omni_kernels.quant import (
     SCALED_MM_ALIGNMENT,
     QuantizedLinear,
     fp8_unsupported_reason,
+    quantize_per_token,
 )
 from omni_kernels.quant.linear import ACTIVATION_BACKENDS, check_split_k
 
@@ -118,6 +129,10 @@ _METADATA_ACTIVATIONS_KEY = "omni_quant_fused_activations"
 _ACTIVATION_RECORD_ATTR = "_omni_fused_activations"
 # Where it records the owners given a concat-free forward: [(name, function)] (module.__dict__).
 _CONCAT_FREE_RECORD_ATTR = "_omni_concat_free_forwards"
+# Where it records the blocks given a norm-fused forward: [(name, function)] (module.__dict__).
+_NORM_FUSED_RECORD_ATTR = "_omni_norm_fused_forwards"
+# Where a block given a norm-fused forward keeps its class forward, for that forward's fallback.
+_CLASS_FORWARD_ATTR = "_omni_class_forward"
 # The projections diffusers' fuse_projections() merges: fused layer, then its members in output order.
 _FUSED_PROJECTIONS = (
     ("to_qkv", ("to_q", "to_k", "to_v")),
@@ -178,6 +193,10 @@ class QuantConfig:
             (module docstring) into the W8A8 layer reading their output. ``None``
             (default): on for W8A8 methods; ``True`` with a weight-only method is
             an error.
+        fuse_norms: give the blocks the model's adapter declares (module docstring) a
+            forward that quantizes each LayerNorm + adaLN output once, in omni's fused
+            kernel, for all the W8A8 layers reading it. ``None`` (default): on for W8A8
+            methods; ``True`` with a weight-only method is an error.
 
     ``activation_backend="auto"`` runs omni's CUDA/Triton kernel in eager mode
     and, under ``torch.compile``, the reference's plain torch ops, which Inductor
@@ -204,6 +223,7 @@ class QuantConfig:
     fuse_projections: bool | None = None
     split_k: int | None = None
     fuse_activations: bool | None = None
+    fuse_norms: bool | None = None
     layer_methods: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -248,6 +268,16 @@ class QuantConfig:
                 f"activation quantization); got method {self.method!r}"
             )
 
+        if self.fuse_norms is not None and not isinstance(self.fuse_norms, bool):
+            raise ValueError(
+                f"QuantConfig.fuse_norms must be True, False or None (on for W8A8 methods); got {self.fuse_norms!r}"
+            )
+        if self.fuse_norms and self.weight_only:
+            raise ValueError(
+                f"QuantConfig.fuse_norms=True needs a W8A8 method (it quantizes the norm output for "
+                f"W8A8 layers); got method {self.method!r}"
+            )
+
     @property
     def weight_only(self) -> bool:
         """Whether ``method`` (the default method) is weight-only."""
@@ -263,6 +293,11 @@ class QuantConfig:
         if self.fuse_activations is not None:
             return self.fuse_activations
         return not self.weight_only
+
+    @property
+    def fuses_norms(self) -> bool:
+        """``fuse_norms`` with ``None`` resolved (on for W8A8 methods)."""
+        return self.fuse_norms if self.fuse_norms is not None else not self.weight_only
 
     @property
     def fuses_projections(self) -> bool:
@@ -787,11 +822,116 @@ def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None
 def remove_concat_free_forwards(module: nn.Module) -> None:
     """Undo :func:`install_concat_free_forwards`: the owners' class ``forward`` again (an
     instance ``forward`` that is no longer the installed one is left alone)."""
-    for name, function in module.__dict__.pop(_CONCAT_FREE_RECORD_ATTR, []):
+    _remove_instance_forwards(module, _CONCAT_FREE_RECORD_ATTR)
+
+
+def _remove_instance_forwards(module: nn.Module, record_attr: str) -> None:
+    for name, function in module.__dict__.pop(record_attr, []):
         owner = module.get_submodule(name)
         current = owner.__dict__.get("forward")
         if getattr(current, "__func__", None) is function and getattr(current, "__self__", None) is owner:
             del owner.__dict__["forward"]
+
+
+def w8a8_readers_unfit(*layers: nn.Module | None) -> str | None:
+    """Why ``layers`` cannot share one quantized input, or ``None``: each must be a W8A8
+    :class:`QuantizedLinear` applying no activation of its own, all with one weight dtype,
+    ``clamp`` and ``activation_backend`` (their input quantization is then the same)."""
+    first = None
+    for layer in layers:
+        if not isinstance(layer, QuantizedLinear) or layer.weight_only:
+            return f"a reader is a {type(layer).__name__}{' (weight-only)' if isinstance(layer, QuantizedLinear) else ''}, not a W8A8 QuantizedLinear"
+        if layer.input_activation is not None:
+            return f"a reader applies {layer.input_activation!r} to its input"
+        key = (layer.qweight.dtype, layer.clamp, layer.activation_backend)
+        if first is None:
+            first = key
+        elif key != first:
+            return f"the readers quantize their input differently ({first} vs {key})"
+    return None if first is not None else "no reader"
+
+
+def layer_norm_unfit(norm: nn.Module | None) -> str | None:
+    """Why ``norm`` is not a LayerNorm over the last dim that omni's fused kernel computes, or ``None``."""
+    if not isinstance(norm, nn.LayerNorm):
+        return f"a {type(norm).__name__}, not a LayerNorm"
+    if len(norm.normalized_shape) != 1:
+        return f"a LayerNorm over {tuple(norm.normalized_shape)}, not over the last dim"
+    return None
+
+
+def quantize_modulated_norm(
+    x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor, scale: torch.Tensor, reader: QuantizedLinear
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reader``'s per-token quantization of ``norm(x) * (1 + scale) + shift``, in one pass.
+
+    ``x`` ``[B, S, K]`` (16-bit or float32), ``shift``/``scale`` ``[B, K]`` (the adaLN
+    modulation of each sample; any float dtype); ``norm`` a LayerNorm over K (with or
+    without its affine); ``reader`` a W8A8 :class:`QuantizedLinear` whose weight dtype and
+    ``clamp`` the quantization takes. Returns ``(codes [B, S, K], scales [B, S, 1] float32)``
+    for ``reader.forward_quantized`` (and any other layer :func:`w8a8_readers_unfit`
+    accepts with it). The kernel is omni's CUDA or Triton one under ``torch.compile`` too
+    (an opaque op: its point is the pass Inductor would otherwise write), unless the layer
+    asks for ``activation_backend="torch"``.
+    """
+    backend = reader.activation_backend if reader.activation_backend in ("cuda", "triton", "torch") else "auto"
+    return quantize_per_token(
+        x, reader.qweight.dtype, norm="layer", norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
+        mod_scale=scale, mod_shift=shift, clamp=reader.clamp, backend=backend,
+    )
+
+
+def install_norm_fused_forwards(module: nn.Module, adapter: ModelAdapter | None) -> list[str]:
+    """Give each block of the adapter's :class:`~omni_diffusion.adapters.base.NormFusion`
+    classes that its ``unfit`` accepts the fusion's ``forward`` as its instance ``forward``.
+
+    Skipped, with a debug log: a block ``unfit`` names a reason for, one that already has an
+    instance ``forward`` (someone else's wrapper), or one whose class ``forward`` takes other
+    parameters than the function (a diffusers version it was not written for). Returns the
+    blocks' names; :func:`remove_norm_fused_forwards` undoes it.
+    """
+    if adapter is None:
+        return []
+    installed: list[tuple[str, Any]] = []
+    for fusion in adapter.norm_fusions:
+        wanted = list(inspect.signature(fusion.forward).parameters)[1:]
+        for name, owner in module.named_modules():
+            if fusion.owner_class not in {cls.__name__ for cls in type(owner).__mro__}:
+                continue
+            takes = list(inspect.signature(type(owner).forward).parameters)[1:]
+            why = (
+                "it already has an instance forward" if "forward" in owner.__dict__ else
+                f"its forward takes {takes}, not {wanted}" if takes != wanted else
+                fusion.unfit(owner)
+            )
+            if why is not None:
+                logger.debug("quantize: %s keeps its norm outputs in 16 bits: %s", name, why)
+                continue
+            owner.__dict__[_CLASS_FORWARD_ATTR] = type(owner).forward
+            owner.forward = types.MethodType(fusion.forward, owner)
+            installed.append((name, fusion.forward))
+    if installed:
+        module.__dict__[_NORM_FUSED_RECORD_ATTR] = [*module.__dict__.get(_NORM_FUSED_RECORD_ATTR, []), *installed]
+    return [name for name, _ in installed]
+
+
+def remove_norm_fused_forwards(module: nn.Module) -> None:
+    """Undo :func:`install_norm_fused_forwards` (an instance ``forward`` that is no longer the
+    installed one is left alone)."""
+    for name, _ in module.__dict__.get(_NORM_FUSED_RECORD_ATTR, []):
+        module.get_submodule(name).__dict__.pop(_CLASS_FORWARD_ATTR, None)
+    _remove_instance_forwards(module, _NORM_FUSED_RECORD_ATTR)
+
+
+def class_forward(block: nn.Module):
+    """The class ``forward`` function of a block given a norm-fused forward (kept at install:
+    ``torch.compile`` traces neither ``type(block).forward(block, ...)`` nor a walk of the MRO)."""
+    return block.__dict__[_CLASS_FORWARD_ATTR]
+
+
+def norm_fused_blocks(module: nn.Module) -> list[str]:
+    """Names of the blocks of ``module`` given a norm-fused forward by :func:`quantize`."""
+    return [name for name, _ in module.__dict__.get(_NORM_FUSED_RECORD_ATTR, [])]
 
 
 def forget_folded_activations(module: nn.Module) -> None:
@@ -891,15 +1031,19 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
             _fold_activation(module, site)
         _record_activations(module, sites)
         folded = sites
+    norm_fused = install_norm_fused_forwards(module, adapter) if config.fuses_norms and replaced is None else []
+    if config.fuses_activations and replaced is None:
         install_concat_free_forwards(module, adapter)
     kept = [p for p in plans if p.action == "keep"]
     others = collections.Counter(p.method for p in plans if p.action == "quantize" and p.method != config.method)
     logger.info(
-        "quantize: %s: %d of %d linear layers to %s%s%s%s; %d kept in full precision%s",
+        "quantize: %s: %d of %d linear layers to %s%s%s%s%s; %d kept in full precision%s",
         type(module).__name__, len(plans) - len(kept), len(plans), config.method,
         f" ({', '.join(f'{n} to {m}' for m, n in others.items())} by layer_methods)" if others else "",
         f" ({len(fused)} attention modules' q/k/v fused)" if fused else "",
-        f" ({len(folded)} GELUs folded into their consumers' quantization)" if folded else "", len(kept),
+        f" ({len(folded)} GELUs folded into their consumers' quantization)" if folded else "",
+        f" ({len(norm_fused)} blocks quantize their norm outputs in one fused kernel)" if norm_fused else "",
+        len(kept),
         (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
         if kept else "",
     )
@@ -1059,8 +1203,10 @@ def load_quantized(
         except AttributeError:
             raise ValueError(f"{path} folds {site.activation} into {site.consumer}, which {model} does not have") from None
     _record_activations(module, sites)
+    adapter = _resolve_adapter(module, adapter)
+    install_norm_fused_forwards(module, adapter)
     if sites:
-        install_concat_free_forwards(module, _resolve_adapter(module, adapter))
+        install_concat_free_forwards(module, adapter)
 
     state = load_file(path, device=str(device))
     result = module.load_state_dict(state, strict=False, assign=True)

@@ -77,6 +77,32 @@ class ActivationFusion:
     concat_free_forward: Callable[..., Any] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class NormFusion:
+    """A block class whose LayerNorm + adaLN outputs feed only W8A8 linear layers.
+
+    The block's own forward writes each modulated norm output in 16 bits and every layer
+    reading it quantizes it again (under ``torch.compile``, in a kernel Inductor writes). W8A8
+    quantization (``QuantConfig.fuse_norms``) installs ``forward`` instead on each block of
+    the class that ``unfit`` accepts: it quantizes each modulated norm output once, in omni's
+    norm/adaLN-fused kernel (:func:`omni_kernels.quant.quantize_per_token` with
+    ``norm="layer"``), and hands the 8-bit tensor to every layer reading it
+    (``QuantizedLinear.forward_quantized``).
+
+    Args:
+        owner_class: class name (matched along the MRO) of the blocks.
+        forward: the block's forward, a function of ``(self, *the class forward's
+            arguments)`` computing what the class forward computes; it may fall back to
+            the class forward for calls it does not cover (it says which in its docstring).
+        unfit: ``unfit(block)`` is why that block cannot take ``forward`` (a layer that is
+            not W8A8, a norm that is not a LayerNorm...), or ``None`` when it can.
+    """
+
+    owner_class: str
+    forward: Callable[..., Any]
+    unfit: Callable[[nn.Module], str | None]
+
+
 #: diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"``: ``net = [GELU(proj), Dropout, Linear]``
 FEED_FORWARD_GELU = ActivationFusion("FeedForward", activation="net.0", consumer="net.2", passthrough=("net.1",))
 
@@ -378,6 +404,9 @@ class ModelAdapter:
     #: GELUs that W8A8 quantization folds into the linear layer reading their output
     #: (:class:`ActivationFusion`; ``QuantConfig.fuse_activations``)
     activation_fusions: ClassVar[tuple[ActivationFusion, ...]] = ()
+    #: blocks whose LayerNorm + adaLN outputs W8A8 quantization quantizes in omni's fused
+    #: kernel, once for all layers reading them (:class:`NormFusion`; ``QuantConfig.fuse_norms``)
+    norm_fusions: ClassVar[tuple[NormFusion, ...]] = ()
 
     # ------------------------------------------------------------------ structure
 

@@ -40,11 +40,18 @@ from omni_diffusion.adapters.base import (
     BlockList,
     CFGInfo,
     ModelAdapter,
+    NormFusion,
     SequenceLayout,
     SequenceParallelPlan,
     modulated_norm_input,
     replacement_processor,
     rms_norm_params,
+)
+from omni_diffusion.quantization import (
+    class_forward,
+    layer_norm_unfit,
+    quantize_modulated_norm,
+    w8a8_readers_unfit,
 )
 
 #: diffusers' Flux processors that take their projections through ``_get_qkv_projections``,
@@ -53,6 +60,16 @@ _FUSION_AWARE_PROCESSORS = ("FluxAttnProcessor", "FluxIPAdapterAttnProcessor")
 
 #: TeaCache4FLUX (FLUX.1-dev), highest power first
 FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
+
+
+def attention_norms_fit(attn: nn.Module) -> bool:
+    """Whether the fused processor's one QK-norm + RoPE kernel covers ``attn``'s norms: RMSNorms
+    (the dual-stream blocks' text-stream ones too) sharing one eps."""
+    norms = [rms_norm_params(attn.norm_q), rms_norm_params(attn.norm_k)]
+    if attn.added_kv_proj_dim is not None:
+        norms += [rms_norm_params(getattr(attn, "norm_added_q", None)),
+                  rms_norm_params(getattr(attn, "norm_added_k", None))]
+    return all(n is not None for n in norms) and len({n[1] for n in norms}) == 1
 
 
 @functools.cache
@@ -77,20 +94,32 @@ def _flux_fused_norm_rope_processor_class() -> type:
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                      image_rotary_emb=None):
+            if image_rotary_emb is None or not attention_norms_fit(attn):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                        image_rotary_emb)
+            projections = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+            return self.attend_projected(attn, *projections, image_rotary_emb, attention_mask)
+
+        def attend_projected(self, attn, query, key, value, text_query, text_key, text_value,
+                             image_rotary_emb, attention_mask=None):
+            """This processor's call from the q/k/v projections on: ``query``/``key``/``value``
+            ``[B, S_img, H * D]`` (the single-stream blocks: the joint sequence), and for the
+            dual-stream blocks ``text_query``/``text_key``/``text_value`` ``[B, S_txt, H * D]``
+            (``None``, or diffusers' ``(None,)`` placeholders, for the single-stream ones).
+            ``image_rotary_emb`` ``(cos, sin)`` ``[S_txt + S_img, D]`` is required, and the
+            module's norms must be what :func:`attention_norms_fit` accepts. Returns what
+            ``__call__`` returns: ``[B, S, H * D]``, or for the dual-stream blocks
+            ``(image output, text output)`` after ``to_out`` / ``to_add_out``."""
             norms = [rms_norm_params(attn.norm_q), rms_norm_params(attn.norm_k)]
             dual = attn.added_kv_proj_dim is not None
             if dual:
                 norms += [rms_norm_params(attn.norm_added_q), rms_norm_params(attn.norm_added_k)]
-            if image_rotary_emb is None or any(n is None for n in norms) or len({n[1] for n in norms}) != 1:
-                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                        image_rotary_emb)
             eps = norms[0][1]
             cos, sin = image_rotary_emb
-            query, key, value, text_query, text_key, text_value = _get_qkv_projections(
-                attn, hidden_states, encoder_hidden_states)
             query = query.unflatten(-1, (-1, attn.head_dim))
             key = key.unflatten(-1, (-1, attn.head_dim))
             value = value.unflatten(-1, (-1, attn.head_dim))
+            text_len = None
             if not dual:
                 query, key = qk_rmsnorm_rope(query, key, norms[0][0], norms[1][0], cos, sin, eps=eps)
             else:
@@ -114,10 +143,10 @@ def _flux_fused_norm_rope_processor_class() -> type:
                 parallel_config=self._parallel_config,
             )
             hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-            if encoder_hidden_states is None:
+            if text_len is None:
                 return hidden_states
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+                [text_len, hidden_states.shape[1] - text_len], dim=1)
             hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
             return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
@@ -145,10 +174,175 @@ def single_block_forward_concat_free(
     normed, gate = self.norm(joint, emb=temb)
     mlp_input = self.act_mlp(self.proj_mlp(normed))  # the folded GELU is an identity here
     attention = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    joint = joint + gate.unsqueeze(1) * self.proj_out.forward_concat(attention, mlp_input)
+    joint = joint + gate.unsqueeze(1) * _proj_out(self.proj_out, attention, mlp_input)
     if joint.dtype == torch.float16:
         joint = joint.clip(-65504, 65504)
     return joint[:, :text_len], joint[:, text_len:]
+
+
+def _quantized_projections(attn: nn.Module, fused: str, separate: tuple[str, str, str], x_q, x_scale, dtype):
+    """q, k, v ``[B, S, H * D]`` of ``attn`` from a quantized input: its fused layer when diffusers'
+    ``fused_projections`` is set (as ``_get_qkv_projections`` decides), else the three."""
+    if attn.fused_projections:
+        return getattr(attn, fused).forward_quantized(x_q, x_scale, dtype).chunk(3, dim=-1)
+    return tuple(getattr(attn, name).forward_quantized(x_q, x_scale, dtype) for name in separate)
+
+
+def _projection_layers(attn: nn.Module, fused: str, separate: tuple[str, str, str]) -> list[nn.Module | None]:
+    return [getattr(attn, fused, None)] if attn.fused_projections else [getattr(attn, n, None) for n in separate]
+
+
+def _feed_forward_quantized(ff: nn.Module, x_q: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
+    """diffusers' ``FeedForward`` (``net = [GELU(proj), Dropout, Linear]``) on a quantized input:
+    ``net[0].proj`` reads it, then ``net[0]``'s GELU unless quantization folded it into
+    ``net[2]`` (``GELUProjection``), then the rest of ``net``."""
+    projection = ff.net[0]
+    hidden = projection.proj.forward_quantized(x_q, x_scale, dtype)
+    if type(projection).__name__ != "GELUProjection":
+        hidden = projection.gelu(hidden)
+    for module in ff.net[1:]:
+        hidden = module(hidden)
+    return hidden
+
+
+def _feed_forward_unfit(ff: nn.Module | None) -> str | None:
+    net = getattr(ff, "net", None)
+    first = net[0] if isinstance(net, nn.ModuleList) and len(net) else None
+    if type(first).__name__ not in ("GELU", "GELUProjection"):
+        return f"its feed-forward starts with a {type(first).__name__}, not diffusers' GELU(proj)"
+    return w8a8_readers_unfit(first.proj)
+
+
+def _ada_norm_zero_unfit(norm: nn.Module | None, chunks: int, dim: int) -> str | None:
+    """Why ``norm`` is not an ``AdaLayerNormZero``/``...Single`` (``linear(silu(emb))`` split into
+    ``chunks`` tables of ``dim``, then a LayerNorm) whose parts the fused forwards take apart."""
+    if getattr(norm, "emb", None) is not None:
+        return "its AdaLayerNormZero embeds the timestep itself"
+    linear, silu = getattr(norm, "linear", None), getattr(norm, "silu", None)
+    if not isinstance(silu, nn.SiLU) or getattr(linear, "out_features", None) != chunks * dim:
+        return f"{type(norm).__name__} is not silu + linear(-> {chunks} x {dim}) + norm"
+    return layer_norm_unfit(getattr(norm, "norm", None))
+
+
+def dual_block_unfit(block: nn.Module) -> str | None:
+    """Why a ``FluxTransformerBlock`` cannot take :func:`dual_block_forward_norm_fused`, or ``None``."""
+    attn = block.attn
+    dim = attn.query_dim
+    return (
+        _ada_norm_zero_unfit(block.norm1, 6, dim)
+        or _ada_norm_zero_unfit(block.norm1_context, 6, dim)
+        or layer_norm_unfit(block.norm2)
+        or layer_norm_unfit(block.norm2_context)
+        or (None if attention_norms_fit(attn) else "its attention's QK norms are not RMSNorms with one eps")
+        or w8a8_readers_unfit(*_projection_layers(attn, "to_qkv", ("to_q", "to_k", "to_v")))
+        or w8a8_readers_unfit(*_projection_layers(attn, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
+        or _feed_forward_unfit(block.ff)
+        or _feed_forward_unfit(block.ff_context)
+    )
+
+
+def single_block_unfit(block: nn.Module) -> str | None:
+    """Why a ``FluxSingleTransformerBlock`` cannot take :func:`single_block_forward_norm_fused`."""
+    attn = block.attn
+    return (
+        _ada_norm_zero_unfit(block.norm, 3, attn.query_dim)
+        or (None if attention_norms_fit(attn) else "its attention's QK norms are not RMSNorms with one eps")
+        or w8a8_readers_unfit(*_projection_layers(attn, "to_qkv", ("to_q", "to_k", "to_v")), block.proj_mlp)
+    )
+
+
+def _attends_projected(block: nn.Module, image_rotary_emb, joint_attention_kwargs) -> bool:
+    # IP-adapter kwargs, a missing rotary table or another processor: the 16-bit path
+    return (image_rotary_emb is not None and not joint_attention_kwargs
+            and hasattr(block.attn.processor, "attend_projected"))
+
+
+def dual_block_forward_norm_fused(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxTransformerBlock.forward`` with its four LayerNorm + adaLN outputs (image and text
+    streams, before attention and before the MLP) quantized once each in omni's fused kernel
+    (:func:`~omni_diffusion.quantization.quantize_modulated_norm`) and read by the W8A8
+    projections as they are: no 16-bit modulated copy, no separate quantization pass.
+
+    ``hidden_states`` ``[B, S_img, D]``, ``encoder_hidden_states`` ``[B, S_txt, D]``, ``temb``
+    ``[B, D]``; returns ``(encoder_hidden_states, hidden_states)``. Calls with
+    ``joint_attention_kwargs`` (IP-adapter), without a rotary table or whose attention
+    processor is not omni's fused one go to the class forward.
+    """
+    if not _attends_projected(self, image_rotary_emb, joint_attention_kwargs):
+        return class_forward(self)(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
+    attn, dtype = self.attn, hidden_states.dtype
+    shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = self.norm1.linear(self.norm1.silu(temb)).chunk(6, dim=1)
+    (text_shift, text_scale, text_gate, text_mlp_shift, text_mlp_scale,
+     text_mlp_gate) = self.norm1_context.linear(self.norm1_context.silu(temb)).chunk(6, dim=1)
+
+    projections = _quantized_projections(
+        attn, "to_qkv", ("to_q", "to_k", "to_v"),
+        *quantize_modulated_norm(hidden_states, self.norm1.norm, shift, scale,
+                                 _projection_layers(attn, "to_qkv", ("to_q", "to_k", "to_v"))[0]), dtype)
+    text_projections = _quantized_projections(
+        attn, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"),
+        *quantize_modulated_norm(encoder_hidden_states, self.norm1_context.norm, text_shift, text_scale,
+                                 _projection_layers(attn, "to_added_qkv", ("add_q_proj", "add_k_proj",
+                                                                           "add_v_proj"))[0]), dtype)
+    attn_output, text_attn_output = attn.processor.attend_projected(
+        attn, *projections, *text_projections, image_rotary_emb)
+
+    hidden_states = hidden_states + gate.unsqueeze(1) * attn_output
+    mlp_input = quantize_modulated_norm(hidden_states, self.norm2, mlp_shift, mlp_scale, self.ff.net[0].proj)
+    hidden_states = hidden_states + mlp_gate.unsqueeze(1) * _feed_forward_quantized(self.ff, *mlp_input, dtype)
+
+    encoder_hidden_states = encoder_hidden_states + text_gate.unsqueeze(1) * text_attn_output
+    text_mlp_input = quantize_modulated_norm(encoder_hidden_states, self.norm2_context, text_mlp_shift,
+                                             text_mlp_scale, self.ff_context.net[0].proj)
+    encoder_hidden_states = encoder_hidden_states + text_mlp_gate.unsqueeze(1) * _feed_forward_quantized(
+        self.ff_context, *text_mlp_input, dtype)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def single_block_forward_norm_fused(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxSingleTransformerBlock.forward`` with the LayerNorm + adaLN output quantized once in
+    omni's fused kernel and read, 8-bit, by both the q/k/v projections and ``proj_mlp``; and, as
+    :func:`single_block_forward_concat_free`, ``proj_out`` reading the attention output and the
+    MLP input apart. Shapes as there. Calls with ``joint_attention_kwargs``, without a rotary
+    table or whose processor is not omni's fused one run :func:`single_block_forward_concat_free`.
+    """
+    if not _attends_projected(self, image_rotary_emb, joint_attention_kwargs):
+        return single_block_forward_concat_free(self, hidden_states, encoder_hidden_states, temb,
+                                                image_rotary_emb, joint_attention_kwargs)
+    attn = self.attn
+    text_len = encoder_hidden_states.shape[1]
+    joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = self.norm.linear(self.norm.silu(temb)).chunk(3, dim=1)
+    x_q, x_scale = quantize_modulated_norm(joint, self.norm.norm, shift, scale, self.proj_mlp)
+    mlp_input = self.act_mlp(self.proj_mlp.forward_quantized(x_q, x_scale, joint.dtype))  # identity when folded
+    query, key, value = _quantized_projections(attn, "to_qkv", ("to_q", "to_k", "to_v"), x_q, x_scale, joint.dtype)
+    attention = attn.processor.attend_projected(attn, query, key, value, None, None, None, image_rotary_emb)
+    joint = joint + gate.unsqueeze(1) * _proj_out(self.proj_out, attention, mlp_input)
+    if joint.dtype == torch.float16:
+        joint = joint.clip(-65504, 65504)
+    return joint[:, :text_len], joint[:, text_len:]
+
+
+def _proj_out(proj_out: nn.Module, attention: torch.Tensor, mlp_input: torch.Tensor) -> torch.Tensor:
+    concat = getattr(proj_out, "forward_concat", None)
+    return concat(attention, mlp_input) if concat is not None else proj_out(torch.cat([attention, mlp_input], -1))
 
 
 @register_adapter
@@ -190,6 +384,12 @@ class FluxAdapter(ModelAdapter):
         FEED_FORWARD_GELU,
         ActivationFusion("FluxSingleTransformerBlock", activation="act_mlp", consumer="proj_out",
                          concatenated_after="proj_mlp", concat_free_forward=single_block_forward_concat_free),
+    )
+    # The blocks' LayerNorm + adaLN outputs are quantized once, in omni's fused kernel, for the
+    # W8A8 projections reading them (QuantConfig.fuse_norms).
+    norm_fusions = (
+        NormFusion("FluxTransformerBlock", dual_block_forward_norm_fused, dual_block_unfit),
+        NormFusion("FluxSingleTransformerBlock", single_block_forward_norm_fused, single_block_unfit),
     )
     fusable_attention = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
     cache_disabling_kwargs = ("controlnet_block_samples", "controlnet_single_block_samples")

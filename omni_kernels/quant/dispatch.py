@@ -40,8 +40,18 @@ _TRITON_FIRST_ROWS = 32768
 
 
 def auto_order(rows: int) -> tuple[str, ...]:
-    """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens."""
-    return _AUTO_ORDER_MANY_ROWS if rows >= _TRITON_FIRST_ROWS else _AUTO_ORDER
+    """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens.
+
+    Under ``torch.compile`` Triton first at every size: the Triton op is a ``triton_op`` that
+    Inductor launches from its generated code, and its kernel measured faster than the CUDA one
+    at Flux's 4608 rows on the H200 (18.7 vs 21.6 us at K 3072, 47.6 vs 60.3 at 12288, 29.0 vs
+    40.3 with the LayerNorm + adaLN at 3072: bench/results/quant_per_token_nvidia-h200_20261130-rows.md).
+    In eager mode short inputs keep CUDA first: there the Triton op's Python dispatch costs
+    more than its kernel (33.1 us a call through ``torch.ops`` against 18.7 us for the kernel,
+    same run), the C++ op's does not."""
+    if rows >= _TRITON_FIRST_ROWS or torch.compiler.is_compiling():
+        return _AUTO_ORDER_MANY_ROWS
+    return _AUTO_ORDER
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # The CUDA kernel moves 16 bytes per thread and vector: 8 half-precision elements, and keeps a
@@ -94,7 +104,12 @@ def resolve_quant_dtype(dtype) -> torch.dtype:
         ) from None
 
 
-@torch.library.custom_op("omni_kernels::quantize_per_token_triton", mutates_args=(), device_types=None)
+# A triton_op lets Inductor launch the kernel itself; the Triton interpreter's kernels cannot be
+# traced into (they read data pointers), so under it (CPU tests) the op is an opaque custom op.
+_register_triton_op = torch.library.custom_op if triton_interpreter_enabled() else torch.library.triton_op
+
+
+@_register_triton_op("omni_kernels::quantize_per_token_triton", mutates_args=())
 def _quantize_per_token_triton_op(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,

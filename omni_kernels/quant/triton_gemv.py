@@ -225,16 +225,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_tiles(m: int) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` for ``m`` rows (not yet tuned on a GPU).
+    """``(block_n, block_k, num_warps)`` for ``m`` rows.
 
     CUDA-core path: the per-row accumulators hold ``m * block_n * block_k`` float32
-    values, kept at 64 registers a thread (4 warps: 8192 values), with 8 KiB of INT8/FP8
-    weight per loop step for ``m = 1``. ``tl.dot`` path: a 16-row tile, 64 x 128 weight tiles.
+    values, kept at 32-64 registers a thread, with 8 KiB of INT8/FP8 weight per loop step.
+    ``m = 1``: 16 x 512 tiles, 8 warps, the best of bench/gemv_tune.py's sweep at Flux's adaLN
+    shapes on the H200 for INT8 and FP8 at 3072 -> 18432 (25.7 / 24.5 us against 31.8 / 27.6
+    for the former 32 x 256, 4 warps; bf16 cuBLAS 41.9 us: bench/results/gemv_tune_nvidia-h200_20261130.md).
+    ``m >= 2``: not changed by that sweep (its best settings there pipeline the loop).
+    ``tl.dot`` path: a 16-row tile, 64 x 128 weight tiles.
     """
     if m > FMA_MAX_ROWS:
         return 64, 128, 4
     if m == 1:
-        return 32, 256, 4
+        return 16, 512, 8
     if m == 2:
         return 16, 256, 4
     return 16, 128, 4

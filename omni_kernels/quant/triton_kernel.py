@@ -28,6 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from omni_kernels._triton import triton_interpreter_enabled
 from omni_kernels.quant.reference import FP8_DTYPE, MIN_ABSMAX, qmax_of
@@ -234,10 +235,16 @@ def _next_power_of_2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
-    """``(BLOCK_K, SINGLE_TILE, num_warps)``: about 16 values a thread, 1 to 8 warps."""
+    """``(BLOCK_K, SINGLE_TILE, num_warps)``: a single tile gets about 32 values a thread, 1 to 8
+    warps; chunked rows 8 warps.
+
+    32 rather than 16 values a thread: at K = 3072 (a 4096 tile) 4 warps beat 8 on the H200,
+    17.0 vs 18.7 us plain and 24.3 vs 29.0 us with the LayerNorm + adaLN fused, for 4608 rows
+    (bench/results/quant_per_token_nvidia-h200_20261130-rows.md); tiles of 8192 and more keep
+    8 warps (the GELU-fused kernel's launch sweep found 8 best at Flux's widths)."""
     if k <= max_tile:
         block = max(16, _next_power_of_2(k))
-        return block, True, max(1, min(8, block // 512))
+        return block, True, max(1, min(8, block // 1024))
     return _CHUNK, False, 8
 
 
@@ -336,12 +343,14 @@ def launch_quantize_per_token_triton(
         HAS_MOD_SHIFT=mod_shift is not None,
         **row_quantization_constants(out_dtype, clamp, block, single),
     )
+    # wrap_triton: under torch.compile Inductor traces the triton_op around this and launches
+    # the kernel from its generated code (no Python launcher, no custom-op call a step).
     if rows_per_program == 1:
-        _quantize_per_token_kernel[(m,)](
+        wrap_triton(_quantize_per_token_kernel)[(m,)](
             *pointers, k, *row_scalars, **constants, num_warps=num_warps or default_warps,
         )
     else:
-        _quantize_rows_per_token_kernel[(triton.cdiv(m, rows_per_program),)](
+        wrap_triton(_quantize_rows_per_token_kernel)[(triton.cdiv(m, rows_per_program),)](
             *pointers, m, k, *row_scalars, **constants, ROWS=rows_per_program,
             num_warps=num_warps or multi_row_warps(rows_per_program, block),
         )

@@ -165,6 +165,7 @@ def test_default_launch_is_the_one_row_kernel(monkeypatch, k):
     launches = []
     for name in ("_quantize_per_token_kernel", "_quantize_rows_per_token_kernel"):
         monkeypatch.setattr(triton_kernel, name, _RecordLaunch(name, launches))
+    monkeypatch.setattr(triton_kernel, "wrap_triton", lambda kernel: kernel)  # it takes @triton.jit kernels only
     x = torch.zeros(37, k)
     launch_quantize_per_token_triton(x, None, None, None, None, 0, 1e-6, 0.0, torch.int8)
     launch_quantize_per_token_triton(x, None, None, None, None, 0, 1e-6, 0.0, torch.int8, rows_per_program=8)
