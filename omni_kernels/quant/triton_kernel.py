@@ -111,6 +111,9 @@ def _quantize_per_token_kernel(
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
+    # Inductor launches a traced triton_op's kernel with Python floats typed fp64; the math is fp32.
+    eps = tl.cast(eps, tl.float32)
+    clamp_val = tl.cast(clamp_val, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
@@ -200,6 +203,8 @@ def _quantize_rows_per_token_kernel(
     the one-row kernel's row at the same ``num_warps``; another warp count may round the
     LayerNorm/RMS sums apart in the last bit, as it would for the one-row kernel.)
     """
+    eps = tl.cast(eps, tl.float32)  # (fp64 when Inductor launches it: see _quantize_per_token_kernel)
+    clamp_val = tl.cast(clamp_val, tl.float32)
     tl.static_assert(SINGLE_TILE, "rows_per_program > 1 needs rows that fit one register tile")
     first_row = tl.program_id(0).to(tl.int64) * ROWS
     row_ids = first_row + tl.arange(0, ROWS)

@@ -147,6 +147,21 @@ def test_accelerate_installs_and_undo_removes_norm_fused_forwards():
     assert torch.equal(_run(model, inputs), ref)
 
 
+@pytest.mark.parametrize("fused_processor", [True, False], ids=["norm-fused", "fallback"])
+def test_norm_fused_forwards_compile_fullgraph(fused_processor):
+    """Regional torch.compile(fullgraph=True) traces the installed forwards, the norm-fused
+    path and the fallback to the class forward alike, with the eager output."""
+    _, _, fused, inputs = _quantized_pair("fp8", fused_processor=fused_processor)
+    expected = _run(fused, inputs)
+    torch._dynamo.reset()
+    for block in [*fused.transformer_blocks, *fused.single_transformer_blocks]:
+        block.compile(backend="aot_eager", fullgraph=True)
+    try:
+        assert torch.equal(_run(fused, inputs), expected)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("value", ["yes", 1])
 def test_fuse_norms_config_errors(value):
     with pytest.raises(ValueError, match=r"QuantConfig.fuse_norms must be True, False or None"):
@@ -206,7 +221,6 @@ def _flux_widths_cuda():
         timestep=torch.tensor([0.5], device="cuda", dtype=torch.bfloat16),
         img_ids=torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float(),
         txt_ids=torch.zeros(512, 3, device="cuda"),
-        guidance=torch.tensor([3.5], device="cuda"),
         return_dict=False,
     )
     return model, inputs

@@ -650,6 +650,30 @@ def test_gpu_activated_op_under_inductor(inputs, backend):
     assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[0].float(), eager[0].float())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,clamp", [((4608, 3072), "fp8", None), ((2, 333, 1000), "int8", 6.0),
+                                               ((3, 5000), "fp8", 2.5)], ids=["flux", "odd-int8-clamp", "chunked"])
+def test_gpu_triton_op_under_inductor(inputs, shape, dtype, clamp):
+    """Inductor traces the triton_op and launches its kernel itself (its float arguments typed
+    fp64 there): LayerNorm + adaLN + quantization give the eager launch's codes and scales."""
+    _require_fp8(dtype)
+    x = inputs.activations(shape, torch.bfloat16, "cuda")
+    emb = inputs.activations((shape[0], 2 * shape[-1]), torch.float32, "cuda", outlier_channels=0)
+    weight = inputs.activations((shape[-1],), torch.float32, "cuda", outlier_channels=0)
+
+    def quantize(t, e, w):
+        shift, scale = e.chunk(2, dim=-1)
+        return quantize_per_token(t, dtype, norm="layer", norm_weight=w, eps=1e-6, mod_scale=scale,
+                                  mod_shift=shift, clamp=clamp, backend="triton")
+
+    eager = quantize(x, emb, weight)
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize, fullgraph=True)(x, emb, weight)
+    torch._dynamo.reset()
+    assert torch.equal(compiled[1], eager[1])
+    assert torch.equal(compiled[0].view(torch.uint8), eager[0].view(torch.uint8))
+
+
 # ============================================================================ GELU-fused quantization of cat(prefix, GELU(x))
 
 from omni_kernels.quant.reference import activate_reference  # noqa: E402
