@@ -104,10 +104,12 @@ from bench._environment import base_environment, device_slug, gpu_refusal  # noq
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope",
-            "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager", "omni_fp8_unfused_norms")
+            "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager", "omni_fp8_unfused_norms",
+            "omni_fp8_int8_modulation")
 # Activation-quantization and launch experiments, run only when --variants names them.
 _OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
-                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager", "omni_fp8_unfused_norms")
+                    "omni_fp8_diffusers_norm_rope", "omni_fp8_eager", "omni_fp8_unfused_norms",
+                    "omni_fp8_int8_modulation")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
@@ -127,6 +129,7 @@ VARIANT_LABELS = {
     "fp8_sageattention": "(f) (d) + sageattention 1.0.6 (peer)",
     "omni_fp8_eager": "(g) (d) without compile (eager omni stack)",
     "omni_fp8_unfused_norms": "(d7) (d), each layer quantizing its LayerNorm + adaLN input itself (fuse_norms=False)",
+    "omni_fp8_int8_modulation": "(d8) (d), adaLN modulation linears INT8 weight-only (Triton GEMV) instead of bf16",
 }
 
 
@@ -148,6 +151,9 @@ class ModelSpec:
     attention: tuple[int, int, int, int, int]
     #: input sizes: flux: side (packed latent side), text; wan: frames, height, width (latent), text
     sizes: dict = dataclasses.field(default_factory=dict)
+    #: the adaLN modulation linears the family's adapter keeps in bf16 (quant_skip); (d8) gives
+    #: them INT8 weight-only (omni's Triton GEMV) instead
+    modulation_linears: tuple[str, ...] = ()
 
 
 MODELS = {
@@ -156,6 +162,8 @@ MODELS = {
         name="flux1-dev-1024",
         description="FLUX.1-dev shape, 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, "
                     "19 + 38 blocks, guidance-distilled (1 forward / step)",
+        modulation_linears=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                            "single_transformer_blocks.*.norm.linear"),
         cls_name="FluxTransformer2DModel",
         config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
@@ -288,9 +296,13 @@ def _kernel_activation_backend(device: torch.device) -> str:
     raise Skip(f"no activation-quantization kernel: {reasons}")
 
 
-def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[], None]:
+def apply_variant(variant: str, model, device: torch.device, args,
+                  spec: ModelSpec | None = None) -> Callable[[], None]:
     """Apply ``variant`` to ``model``; returns its undo. Raises :class:`Skip`."""
     import omni_diffusion as od
+
+    if variant == "omni_fp8_int8_modulation":
+        return _with_weight_only_modulation(model, spec, lambda: apply_variant("omni_fp8", model, device, args))
 
     if variant == "eager":
         return lambda: None
@@ -347,6 +359,31 @@ def apply_variant(variant: str, model, device: torch.device, args) -> Callable[[
         raise ValueError(variant)
     od.accelerate(model, config)
     return lambda: od.undo(model)
+
+
+def _with_weight_only_modulation(model, spec: ModelSpec | None, apply: Callable[[], Callable[[], None]]):
+    """Run ``apply`` with the model's adapter giving ``spec.modulation_linears`` INT8 weight-only
+    (its ``quant_weight_only`` hook) instead of keeping them bf16 (``quant_skip``); the adapter
+    class is put back before this returns (the layers stay as quantized until the undo)."""
+    from omni_diffusion.adapters import adapter_for_transformer
+
+    if spec is None or not spec.modulation_linears:
+        raise Skip("the model spec names no modulation linears")
+    adapter_cls = type(adapter_for_transformer(model))
+    saved = adapter_cls.__dict__.get("quant_skip"), adapter_cls.__dict__.get("quant_weight_only")
+    missing = [p for p in spec.modulation_linears if p not in adapter_cls.quant_skip]
+    if missing:
+        raise Skip(f"{adapter_cls.__name__}.quant_skip no longer lists {missing}")
+    adapter_cls.quant_skip = tuple(p for p in adapter_cls.quant_skip if p not in spec.modulation_linears)
+    adapter_cls.quant_weight_only = (*adapter_cls.quant_weight_only, *spec.modulation_linears)
+    try:
+        return apply()
+    finally:
+        for name, value in zip(("quant_skip", "quant_weight_only"), saved, strict=True):
+            if value is None:
+                delattr(adapter_cls, name)
+            else:
+                setattr(adapter_cls, name, value)
 
 
 def auto_attention_choice(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> dict:
@@ -455,7 +492,7 @@ def run_model(spec: ModelSpec, variants: list[str], device, dtype, args) -> tupl
             torch.cuda.reset_peak_memory_stats()
         try:
             apply_started = time.perf_counter()
-            undo = apply_variant(variant, model, device, args)
+            undo = apply_variant(variant, model, device, args, spec)
             row["apply_s"] = round(time.perf_counter() - apply_started, 2)
             timing, out = time_variant(model, inputs, warmup, iters, device)
             row.update(timing)

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     for variant in args.variants:
         undo = None
         try:
-            undo = apply_variant(variant, model, device, args)
+            undo = apply_variant(variant, model, device, args, spec)
             rows[variant] = profile_variant(model, inputs, device, args.warmup, args.iters)
         except Skip as exc:
             rows[variant] = dict(error=f"skipped: {exc}")

@@ -229,15 +229,19 @@ def _flux_widths_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_flux_norm_fused_forwards(compiled):
-    """At Flux.1 widths on the GPU, FP8: the norm-fused blocks' output within 1% relative L2 of
-    the unfused blocks' (the fused kernel keeps the norm in float32 where the blocks round it to
-    bf16 first), eager and under torch.compile (omni's Triton kernel launched by Inductor)."""
+    """At Flux.1 widths on the GPU, FP8: the norm-fused blocks' output as close to the bf16
+    model's as the unfused blocks' (relative L2 within 10% of it, and under the issue's 3%);
+    eager and under torch.compile (omni's Triton kernel launched by Inductor). The two FP8
+    paths differ from each other by about their own quantization error (the fused kernel keeps
+    the norm in float32, the blocks round it to bf16 first, which moves FP8 codes), so they
+    are compared through the bf16 reference."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
     import omni_diffusion as od
 
     model, inputs = _flux_widths_cuda()
-    outputs = {}
+    reference = _run(model, inputs).float()
+    errors = {}
     for fuse_norms in (False, True):
         torch._dynamo.reset()
         od.accelerate(model, od.AccelConfig(attention="auto", quant="fp8", compile=compiled,
@@ -245,9 +249,11 @@ def test_gpu_flux_norm_fused_forwards(compiled):
         assert norm_fused_blocks(model) == ([] if not fuse_norms else
                                             ["transformer_blocks.0", "transformer_blocks.1",
                                              "single_transformer_blocks.0", "single_transformer_blocks.1"])
-        outputs[fuse_norms] = _run(model, inputs).float()
+        out = _run(model, inputs).float()
         od.undo(model)
-    err = _rel(outputs[True], outputs[False])
-    print(f"norm-fused vs unfused ({'compiled' if compiled else 'eager'}): rel L2 {err:.2e}")
-    assert torch.isfinite(outputs[True]).all()
-    assert err < 1e-2, err
+        assert torch.isfinite(out).all()
+        errors[fuse_norms] = _rel(out, reference)
+    torch._dynamo.reset()
+    print(f"rel L2 vs bf16 ({'compiled' if compiled else 'eager'}): unfused {errors[False]:.3e}, "
+          f"norm-fused {errors[True]:.3e}")
+    assert errors[True] <= 1.1 * errors[False] and errors[True] < 0.03, errors
