@@ -494,6 +494,9 @@ def run_model(spec: ModelSpec, variants: list[str], device, dtype, args) -> tupl
             apply_started = time.perf_counter()
             undo = apply_variant(variant, model, device, args, spec)
             row["apply_s"] = round(time.perf_counter() - apply_started, 2)
+            if device.type == "cuda":  # the peak while applying (quantization) apart from the forwards'
+                row["apply_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
             timing, out = time_variant(model, inputs, warmup, iters, device)
             row.update(timing)
             row["step_ms"] = row["forward_ms"] * spec.forwards_per_step
@@ -589,7 +592,7 @@ def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
     lines += [
         "",
         "| model | variant | forward ms (median) | step ms | speedup vs (a) | step ms back to back "
-        "| speedup back to back | first call s | rel err vs (a) | peak GiB | status |",
+        "| speedup back to back | first call s | rel err vs (a) | peak GiB (forwards) | status |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:

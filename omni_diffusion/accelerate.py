@@ -343,9 +343,33 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
         for child_name, child in parent._modules.items()
         if child is not None
     ]
+    # Keep the originals for undo without holding GPU memory: their tensors go to CPU unless
+    # the module now in their place shares them (a bias, say). Each linear goes as soon as
+    # quantize() releases it, so the model never holds both precisions in full (a bf16 Flux
+    # is 22 GiB; with all its FP8 layers beside it, 33). Projections fused into one layer
+    # (QuantConfig.fuse_projections) were removed: kept here too.
+    moved: list[tuple[torch.Tensor, torch.device]] = []
+
+    def offload(old: nn.Module, replacement: nn.Module | None) -> None:
+        kept = {t.untyped_storage().data_ptr()
+                for t in ([*replacement.parameters(), *replacement.buffers()] if replacement is not None else [])}
+        for t in [*old.parameters(), *old.buffers()]:
+            if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in kept:
+                moved.append((t, t.device))
+                t.data = t.data.to("cpu")
+
+    def released(name: str, layer: nn.Module) -> None:
+        try:
+            replacement = transformer.get_submodule(name)
+        except AttributeError:  # a fused projection: its module is gone
+            replacement = None
+        offload(layer, replacement)
+
     try:
-        quantize(transformer, QuantConfig(**fields), adapter=adapter)
-    except BaseException:  # failed part-way: put back what was swapped
+        quantize(transformer, QuantConfig(**fields), adapter=adapter, on_released=released)
+    except BaseException:  # failed part-way: put back what was swapped, where it was
+        for t, device in moved:
+            t.data = t.data.to(device)
         for parent, n, old in before:
             if parent._modules.get(n) is not old:
                 setattr(parent, n, old)
@@ -353,21 +377,8 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
     swapped = [(parent, n, old) for parent, n, old in before if parent._modules.get(n) is not old]
     if not swapped:
         logger.warning("quant=%r changed no layer of %s", config.quant, type(transformer).__name__)
-    # Keep the originals for undo without holding GPU memory: their tensors go
-    # to CPU unless the new module shares them (a bias, say). Projections fused
-    # into one layer (QuantConfig.fuse_projections) were removed: kept here too.
-    new_storages = set()
-    for parent, n, _ in swapped:
-        new = parent._modules.get(n)
-        if new is not None:
-            for t in [*new.parameters(), *new.buffers()]:
-                new_storages.add(t.untyped_storage().data_ptr())
-    moved: list[tuple[torch.Tensor, torch.device]] = []
-    for _, _, old in swapped:
-        for t in [*old.parameters(), *old.buffers()]:
-            if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in new_storages:
-                moved.append((t, t.device))
-                t.data = t.data.to("cpu")
+    for parent, n, old in swapped:  # what quantize() did not release itself (a folded GELU module)
+        offload(old, parent._modules.get(n))
 
     def undo() -> None:
         remove_norm_fused_forwards(transformer)

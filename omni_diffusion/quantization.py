@@ -96,6 +96,7 @@ import math
 import os
 import types
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -950,7 +951,8 @@ def fused_activations(module: nn.Module) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- quantize
 
 
-def _swap_linear(module: nn.Module, name: str, method: str, options: dict) -> nn.Module | None:
+def _swap_linear(module: nn.Module, name: str, method: str, options: dict,
+                 on_released: Callable[[str, nn.Module], None] | None = None) -> nn.Module | None:
     """Replace linear ``name`` by its :class:`QuantizedLinear`; returns it when ``name`` is the root."""
     linear = module.get_submodule(name)
     with torch.no_grad():
@@ -958,12 +960,15 @@ def _swap_linear(module: nn.Module, name: str, method: str, options: dict) -> nn
     new.train(linear.training)
     if name:
         _replace(module, name, new)
+        if on_released is not None:
+            on_released(name, linear)
         return None
     return new
 
 
 def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
-             adapter: ModelAdapter | None = None) -> nn.Module:
+             adapter: ModelAdapter | None = None,
+             on_released: Callable[[str, nn.Module], None] | None = None) -> nn.Module:
     """Quantize the ``nn.Linear`` layers of ``module`` in place; returns ``module``.
 
     Each chosen layer (:func:`plan_quantization`) is replaced by a
@@ -979,6 +984,13 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     lists them afterwards. ``adapter``: the model family's
     :class:`~omni_diffusion.adapters.base.ModelAdapter` (default: looked up from
     ``module``'s class; none found: nothing is fused).
+
+    ``on_released(name, layer)``, if given, is called with each full-precision linear as soon
+    as it has left the model (its :class:`QuantizedLinear` is in place; for fused projections,
+    the three separate layers once the fused one is quantized), so that a caller keeping the
+    originals (:func:`omni_diffusion.accelerate`, for its undo) can move each one off the GPU
+    at once: the model then never holds both precisions in full. (If ``quantize`` raises, the
+    separate projections it fused are put back as they are then.)
 
     Raises:
         ValueError: a bad config, a pattern that matches no module, an included
@@ -1007,7 +1019,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
                 continue
             attn_name = member_of.get(plan.name)
             if attn_name is None:
-                replaced = _swap_linear(module, plan.name, plan.method, options) or replaced
+                replaced = _swap_linear(module, plan.name, plan.method, options, on_released) or replaced
                 continue
             if attn_name in done:
                 continue  # its fused layers are already quantized
@@ -1018,7 +1030,11 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
                 if fused_name in attn._modules:
                     # plan_fusion fuses only triples whose members share one method
                     method = method_of[f"{attn_name}.{members[0]}"]
+                    # (the bf16 fused layer fuse_projections() built is dropped here, not released)
                     _swap_linear(module, f"{attn_name}.{fused_name}", method, options)
+            if on_released is not None:
+                for member, layer in fused[-1][1].items():
+                    on_released(f"{attn_name}.{member}", layer)
     except BaseException:  # put the separate projections back: the caller may restore the rest
         for record, removed in reversed(fused):
             _unfuse_attention(module, record, removed)
