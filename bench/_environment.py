@@ -7,8 +7,10 @@ import importlib.metadata
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +95,48 @@ def median_us(fn, *, warmup: int = 25, rep: int = 200) -> float:
 
     with set_wrap_triton_enabled(False):
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 20) -> float:
+    """CPU time of one call of ``fn`` in microseconds (launches queued, not waited for), outside
+    ``wrap_triton``'s tracing path as :func:`median_us`."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    with set_wrap_triton_enabled(False):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def padded_us(fn, host_time_us: float, reps: int = 50) -> float | None:
+    """Median GPU time of ``fn`` in microseconds with the L2 flushed and a GPU sleep before each
+    call that outlasts its launch (``4 x host_time_us``, at least 100 us), so that no host time
+    is counted, as it is in :func:`median_us` when a call's launches take longer than its
+    kernels; None without ``torch.cuda._sleep``."""
+    import triton
+    from torch._library.triton import set_wrap_triton_enabled
+
+    if not hasattr(torch.cuda, "_sleep"):
+        return None
+    clock_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) or 1_980_000
+    pad_cycles = int(max(100.0, 4 * host_time_us) * clock_khz / 1000)
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    with set_wrap_triton_enabled(False):
+        fn()
+        for start, end in events:
+            cache.zero_()
+            torch.cuda._sleep(pad_cycles)
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
 
 
 def write_results(out_dir: Path, name: str, env: dict, payload: dict, table: str) -> Path:

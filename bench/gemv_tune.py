@@ -59,6 +59,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
+from bench._environment import host_us as _host_us  # noqa: E402
+from bench._environment import padded_us as _padded_us  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -320,21 +322,6 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def _host_us(fn, calls: int = 20) -> float:
-    """CPU time of one call (launches queued, not waited for)."""
-    from torch._library.triton import set_wrap_triton_enabled
-
-    with set_wrap_triton_enabled(False):
-        fn()
-        _synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        _synchronize()
-    return elapsed / calls * 1e6
-
-
 def _flush_us() -> float:
     """GPU time of do_bench's L2 flush (zeroing its buffer)."""
     import triton
@@ -349,30 +336,6 @@ def _flush_us() -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
-
-
-def _padded_us(fn, host_us: float, reps: int = 50) -> float | None:
-    """Median GPU time of ``fn`` with the L2 flushed and a GPU sleep before each call that
-    outlasts its launch (so that no host time is counted); None without ``torch.cuda._sleep``."""
-    import triton
-    from torch._library.triton import set_wrap_triton_enabled
-
-    if not hasattr(torch.cuda, "_sleep"):
-        return None
-    clock_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) or 1_980_000
-    pad_cycles = int(max(100.0, 4 * host_us) * clock_khz / 1000)
-    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    with set_wrap_triton_enabled(False):
-        fn()
-        for start, end in events:
-            cache.zero_()
-            torch.cuda._sleep(pad_cycles)
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
 
 
 def _compiled_kernels() -> dict[int, object]:

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
+from _environment import base_environment, device_slug, gpu_refusal, host_us, padded_us  # noqa: E402  (bench/ is on sys.path)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -245,7 +245,7 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
         raise ValueError(variant)
 
     rows = []
-    baseline_us = None
+    baseline_us = baseline_padded_us = None
     for variant in variants:
         row = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, variant=variant)
         if budget.exceeded(essential=variant in ESSENTIAL):
@@ -262,13 +262,17 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
                     row["rel_err"] = _rel(out[:ERROR_ROWS], ref)
                 del out
                 row["median_us"] = _bench(call)
+                # do_bench's figure includes host time when a call's launches outlast its kernels
+                # (a shared machine's slow host): the padded GPU time separates the two.
+                row["host_us"] = host_us(call)
+                row["padded_us"] = padded_us(call, row["host_us"])
             row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
             weight_bytes = _weight_bytes(variant, shape) if is_layer else None
             if weight_bytes is not None:
                 row["weight_gbps"] = weight_bytes / (row["median_us"] * 1e-6) / 1e9
             row["status"] = "ok"
             if variant == "bf16":
-                baseline_us = row["median_us"]
+                baseline_us, baseline_padded_us = row["median_us"], row.get("padded_us")
         except _Unavailable as exc:
             row["status"] = f"unavailable: {exc}"
         except Exception as exc:
@@ -284,6 +288,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
     for row in rows:
         if row.get("status") == "ok" and baseline_us and row.get("tflops") is not None:
             row["speedup_vs_bf16"] = baseline_us / row["median_us"]
+            if baseline_padded_us and row.get("padded_us"):
+                row["padded_speedup_vs_bf16"] = baseline_padded_us / row["padded_us"]
     layers.clear()
     gc.collect()
     torch.cuda.empty_cache()
@@ -470,7 +476,9 @@ def _markdown(env, linear_rows, step_rows) -> str:
         f"- command: `{env['command']}`",
         "- median us: triton.testing.do_bench median (L2 flushed); W8A8 times include the per-token "
         "activation quantization; rel err vs a float32 GEMM of the unquantized operands "
-        f"(first {ERROR_ROWS} rows); bf16 activations with 4 outlier channels (x20).",
+        f"(first {ERROR_ROWS} rows); bf16 activations with 4 outlier channels (x20). host us: CPU "
+        "time a call; padded us: GPU time with a sleep covering the launch (no host time: where "
+        "the median is above it, the host was the bottleneck).",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in linear_rows):
@@ -480,8 +488,9 @@ def _markdown(env, linear_rows, step_rows) -> str:
         lines += [
             f"## {shape}: {first['model']}, M={first['m']}, K={first['k']}, N={first['n']}",
             "",
-            f"| variant | median us | {'weight GB/s' if gemv else 'TFLOP/s'} | speedup vs bf16 | rel err | status |",
-            "| --- | ---: | ---: | ---: | ---: | --- |",
+            f"| variant | median us | {'weight GB/s' if gemv else 'TFLOP/s'} | speedup vs bf16 | rel err "
+            "| host us | padded us | padded speedup | status |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in linear_rows:
             if r["shape"] != shape:
@@ -493,9 +502,13 @@ def _markdown(env, linear_rows, step_rows) -> str:
                     tflops = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
                 speed = f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-"
                 err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
-                lines.append(f"| {r['variant']} | {r['median_us']:.1f} | {tflops} | {speed} | {err} | ok |")
+                host = f"{r['host_us']:.0f}" if r.get("host_us") is not None else "-"
+                padded = f"{r['padded_us']:.1f}" if r.get("padded_us") is not None else "-"
+                padded_speed = f"{r['padded_speedup_vs_bf16']:.2f}x" if r.get("padded_speedup_vs_bf16") else "-"
+                lines.append(f"| {r['variant']} | {r['median_us']:.1f} | {tflops} | {speed} | {err} | {host} "
+                             f"| {padded} | {padded_speed} | ok |")
             else:
-                lines.append(f"| {r['variant']} | - | - | - | - | {str(r.get('status')).replace('|', '/')} |")
+                lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | {str(r.get('status')).replace('|', '/')} |")
         lines.append("")
     if step_rows:
         lines += [

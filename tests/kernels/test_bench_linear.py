@@ -55,11 +55,15 @@ def test_weight_bytes_and_gemv_table(bench):
     env = dict(device="NVIDIA H200", torch="2.11", cuda="13.0", packages={}, git_commit="abc", utc="now",
                command="python3 bench/linear.py --shapes flux-adaln")
     common = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, status="ok", rel_err=1e-3)
-    rows = [dict(common, variant="bf16", median_us=40.0, tflops=0.003, weight_gbps=2831.0),
+    rows = [dict(common, variant="bf16", median_us=40.0, tflops=0.003, weight_gbps=2831.0, host_us=12.0,
+                 padded_us=39.0),
             dict(common, variant="omni-int8-wo-triton_gemv", median_us=20.0, tflops=0.006, weight_gbps=2835.0,
-                 speedup_vs_bf16=2.0)]
+                 speedup_vs_bf16=2.0, host_us=60.0, padded_us=13.0, padded_speedup_vs_bf16=3.0),
+            dict(common, variant="omni-fp8-wo-triton_gemv", median_us=30.0, tflops=0.004, weight_gbps=1900.0)]
     table = bench._markdown(env, rows, [])
-    assert "| variant | median us | weight GB/s | speedup vs bf16 | rel err | status |" in table
-    assert "| omni-int8-wo-triton_gemv | 20.0 | 2835 | 2.00x | 1.00e-03 | ok |" in table
+    assert ("| variant | median us | weight GB/s | speedup vs bf16 | rel err | host us | padded us "
+            "| padded speedup | status |") in table
+    assert "| omni-int8-wo-triton_gemv | 20.0 | 2835 | 2.00x | 1.00e-03 | 60 | 13.0 | 3.00x | ok |" in table
+    assert "| omni-fp8-wo-triton_gemv | 30.0 | 1900 | - | 1.00e-03 | - | - | - | ok |" in table  # not measured
     large = dict(common, shape="flux-3072x3072", m=4608, n=3072, variant="bf16", median_us=100.0, tflops=800.0)
     assert "| variant | median us | TFLOP/s |" in bench._markdown(env, [large], [])
