@@ -312,6 +312,7 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
         from omni_diffusion.quantization import (
             QuantConfig,
             forget_folded_activations,
+            normalize_layer_methods,
             quantize,
             remove_concat_free_forwards,
             remove_norm_fused_forwards,
@@ -332,8 +333,7 @@ def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelCon
     if family_weight_only:
         # The caller's layer_methods come first (the first matching pattern wins).
         weight_only = config.quant if config.quant.endswith("_weight_only") else "int8_weight_only"
-        own = fields.get("layer_methods", ())
-        own = tuple(own.items()) if isinstance(own, dict) else tuple(tuple(pair) for pair in own)
+        own = normalize_layer_methods(fields.get("layer_methods", ()))  # raises on a bad value, naming it
         fields["layer_methods"] = (*own, *((p, weight_only) for p in family_weight_only))
     if config.quant_min_features is not None:
         fields["min_features"] = config.quant_min_features

@@ -230,7 +230,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
             raise ValueError(f"QuantConfig.method must be one of {QUANT_METHODS}; got {self.method!r}")
-        object.__setattr__(self, "layer_methods", _layer_methods(self.layer_methods))
+        object.__setattr__(self, "layer_methods", normalize_layer_methods(self.layer_methods))
         object.__setattr__(self, "skip", _patterns("skip", self.skip))
         if self.include is not None:
             object.__setattr__(self, "include", _patterns("include", self.include))
@@ -334,7 +334,7 @@ class QuantConfig:
         )
 
 
-def _layer_methods(value) -> tuple[tuple[str, str], ...]:
+def normalize_layer_methods(value) -> tuple[tuple[str, str], ...]:
     """``layer_methods`` as a tuple of ``(pattern, method)`` pairs; ``ValueError`` naming the bad entry."""
     if isinstance(value, dict):
         value = list(value.items())

@@ -194,6 +194,23 @@ def test_adapter_weight_only_layers_and_their_overrides(override, monkeypatch):
     assert torch.equal(family.run(), family.reference)
 
 
+@pytest.mark.parametrize("bad", ["*.norm1.linear", [("*.norm1.linear",)], {"*.norm1.linear": "int4"}])
+def test_bad_layer_methods_with_adapter_weight_only_layers(bad, monkeypatch):
+    """A malformed quant_options["layer_methods"] raises QuantConfig's error naming it, also
+    where the adapter's own weight-only patterns are merged into it first."""
+    pytest.importorskip("omni_diffusion.quantization")
+    from omni_diffusion.adapters import adapter_for
+
+    family = Family("flux")
+    adapter = adapter_for(family.pipe)
+    monkeypatch.setattr(adapter, "quant_weight_only", MODULATION)
+    monkeypatch.setattr(adapter, "quant_skip", tuple(p for p in adapter.quant_skip if p not in MODULATION))
+    with pytest.raises(ValueError, match=r"QuantConfig\.layer_methods"):
+        od.accelerate(family.pipe, od.AccelConfig(attention=None, quant="int8",
+                                                  quant_options=dict(CPU_QUANT, layer_methods=bad)))
+    assert torch.equal(family.run(), family.reference)  # nothing was left changed
+
+
 def test_flux_keeps_its_modulation_linears_in_16_bits():
     """Measured on the H200 (bench/results/pipeline-flux-modulation_*): INT8 weight-only through
     omni's GEMV did not pay yet, so Flux's adapter skips its modulation linears."""
