@@ -78,6 +78,21 @@ def test_norm_fused_forwards_match_the_block_forwards(method, monkeypatch):
     assert _rel(out, _run(model, inputs)) < 0.1  # and as close to the unquantized model as before
 
 
+def test_norm_fused_forwards_batch_of_two_samples():
+    """Two samples with different timesteps (their own adaLN tables, as a CFG batch has): each
+    sample's rows take its own modulation in the fused kernel."""
+    model, plain, fused, inputs = _quantized_pair("fp8")
+    gen = torch.Generator().manual_seed(5)
+    batch = dict(inputs)
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+        batch[key] = torch.cat([inputs[key], torch.randn(inputs[key].shape, generator=gen)])
+    batch["timestep"] = torch.tensor([0.5, 0.9])
+    out, ref = _run(fused, batch), _run(plain, batch)
+    assert _rel(out, ref) < 1e-4, _rel(out, ref)
+    # the first sample is what it is alone
+    assert _rel(out[:1], _run(fused, inputs)) < 1e-5
+
+
 def test_norm_fused_forwards_fall_back_without_the_fused_processor():
     """With diffusers' own attention processor (or IP-adapter kwargs) the installed forwards
     run the 16-bit path: the same numbers as the blocks' forwards, no fused-norm call."""
