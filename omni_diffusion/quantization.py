@@ -1001,7 +1001,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     plans = plan_quantization(module, config)
     _warn_idle_layer_methods(plans, config)
     _check_hardware(module, plans, config)
-    if config.fuses_projections or config.fuses_activations:  # both read the family's declarations
+    if config.fuses_projections or config.fuses_activations or config.fuses_norms:  # the family's declarations
         adapter = _resolve_adapter(module, adapter)
     fusing = plan_fusion(module, config, adapter, plans)
     method_of = {p.name: p.method for p in plans}
@@ -1048,6 +1048,14 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
         _record_activations(module, sites)
         folded = sites
     norm_fused = install_norm_fused_forwards(module, adapter) if config.fuses_norms and replaced is None else []
+    if config.fuse_norms and not norm_fused:  # asked for explicitly
+        logger.warning(
+            "quantize: fuse_norms=True, but no block of %s took a norm-fused forward (%s; debug logging "
+            "says why each declared block did not)", type(module).__name__,
+            "no model adapter" if adapter is None else
+            f"the {adapter.name!r} adapter declares none" if not adapter.norm_fusions else
+            f"the {adapter.name!r} adapter declares {', '.join(f.owner_class for f in adapter.norm_fusions)}",
+        )
     if config.fuses_activations and replaced is None:
         install_concat_free_forwards(module, adapter)
     kept = [p for p in plans if p.action == "keep"]

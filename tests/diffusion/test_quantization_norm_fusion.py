@@ -127,6 +127,29 @@ def test_norm_fused_forwards_left_out_where_they_do_not_fit():
     assert model.transformer_blocks[0].__dict__["forward"] is own
 
 
+def test_norm_fusion_without_the_other_fusions_and_explicit_request_that_finds_nothing(caplog):
+    """fuse_norms alone (projections and GELUs not fused) still installs both forwards; an explicit
+    fuse_norms=True on a model whose adapter declares no such blocks warns, naming the adapter."""
+    model, inputs = tiny_flux_transformer()
+    plain = copy.deepcopy(model)
+    options = dict(method="fp8", fuse_projections=False, fuse_activations=False, **CPU_OPTIONS)
+    quantize(model, QuantConfig(**options))
+    quantize(plain, QuantConfig(fuse_norms=False, **options))
+    assert norm_fused_blocks(model) == BLOCKS
+    for m in (model, plain):
+        adapter_for_transformer(m).apply_fused_norm_rope(m)
+    assert _rel(_run(model, inputs), _run(plain, inputs)) < 1e-4  # separate q/k/v read the one quantized input
+
+    from omni_diffusion.testing import tiny_transformer
+
+    other, _ = tiny_transformer("qwen_image")
+    with caplog.at_level("WARNING", logger="omni_diffusion.quantization"):
+        quantize(other, QuantConfig(method="int8", fuse_norms=True, **CPU_OPTIONS))
+    assert norm_fused_blocks(other) == []
+    assert "fuse_norms=True, but no block of QwenImageTransformer2DModel" in caplog.text
+    assert "the 'qwen_image' adapter declares none" in caplog.text
+
+
 def test_norm_fused_forwards_removed_on_undo_and_reinstalled_on_load(tmp_path):
     """remove_norm_fused_forwards puts the class forwards back (same output as the unfused
     model); a saved checkpoint loads with the forwards installed again."""
