@@ -862,9 +862,14 @@ def layer_norm_unfit(norm: nn.Module | None) -> str | None:
 
 
 def quantize_modulated_norm(
-    x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor, scale: torch.Tensor, reader: QuantizedLinear
+    x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor, scale: torch.Tensor, reader: QuantizedLinear,
+    prefix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reader``'s per-token quantization of ``norm(x) * (1 + scale) + shift``, in one pass.
+
+    With ``prefix`` ``[B, P, K]``, ``x`` is ``cat([prefix, x], 1)`` (a joint text + image
+    sequence held as two tensors), read in place where the backend is Triton (the CUDA
+    kernel cannot: ``auto`` then takes Triton); the results have ``P + S`` rows a sample.
 
     ``x`` ``[B, S, K]`` (16-bit or float32), ``shift``/``scale`` ``[B, K]`` (the adaLN
     modulation of each sample; any float dtype); ``norm`` a LayerNorm over K (with or
@@ -876,9 +881,11 @@ def quantize_modulated_norm(
     asks for ``activation_backend="torch"``.
     """
     backend = reader.activation_backend if reader.activation_backend in ("cuda", "triton", "torch") else "auto"
+    if prefix is not None and backend == "cuda":
+        prefix, x = None, torch.cat([prefix, x], dim=1)  # the CUDA kernel reads one tensor
     return quantize_per_token(
         x, reader.qweight.dtype, norm="layer", norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
-        mod_scale=scale, mod_shift=shift, clamp=reader.clamp, backend=backend,
+        mod_scale=scale, mod_shift=shift, clamp=reader.clamp, backend=backend, prefix=prefix,
     )
 
 

@@ -320,24 +320,30 @@ def single_block_forward_norm_fused(
     """``FluxSingleTransformerBlock.forward`` with the LayerNorm + adaLN output quantized once in
     omni's fused kernel and read, 8-bit, by both the q/k/v projections and ``proj_mlp``; and, as
     :func:`single_block_forward_concat_free`, ``proj_out`` reading the attention output and the
-    MLP input apart. Shapes as there. Calls with ``joint_attention_kwargs``, without a rotary
-    table or whose processor is not omni's fused one run :func:`single_block_forward_concat_free`.
+    MLP input apart. The joint sequence is never concatenated in 16 bits: the quantization reads
+    the text and image streams in place (text first, as diffusers concatenates them) and the
+    residual is added to each stream apart. Shapes as there. Calls with
+    ``joint_attention_kwargs``, without a rotary table or whose processor is not omni's fused one
+    run :func:`single_block_forward_concat_free`.
     """
     if not _attends_projected(self, image_rotary_emb, joint_attention_kwargs):
         return single_block_forward_concat_free(self, hidden_states, encoder_hidden_states, temb,
                                                 image_rotary_emb, joint_attention_kwargs)
-    attn = self.attn
+    attn, dtype = self.attn, hidden_states.dtype
     text_len = encoder_hidden_states.shape[1]
-    joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     shift, scale, gate = self.norm.linear(self.norm.silu(temb)).chunk(3, dim=1)
-    x_q, x_scale = quantize_modulated_norm(joint, self.norm.norm, shift, scale, self.proj_mlp)
-    mlp_input = self.act_mlp(self.proj_mlp.forward_quantized(x_q, x_scale, joint.dtype))  # identity when folded
-    query, key, value = _quantized_projections(attn, "to_qkv", ("to_q", "to_k", "to_v"), x_q, x_scale, joint.dtype)
+    x_q, x_scale = quantize_modulated_norm(hidden_states, self.norm.norm, shift, scale, self.proj_mlp,
+                                           prefix=encoder_hidden_states)
+    mlp_input = self.act_mlp(self.proj_mlp.forward_quantized(x_q, x_scale, dtype))  # identity when folded
+    query, key, value = _quantized_projections(attn, "to_qkv", ("to_q", "to_k", "to_v"), x_q, x_scale, dtype)
     attention = attn.processor.attend_projected(attn, query, key, value, None, None, None, image_rotary_emb)
-    joint = joint + gate.unsqueeze(1) * _proj_out(self.proj_out, attention, mlp_input)
-    if joint.dtype == torch.float16:
-        joint = joint.clip(-65504, 65504)
-    return joint[:, :text_len], joint[:, text_len:]
+    update = gate.unsqueeze(1) * _proj_out(self.proj_out, attention, mlp_input)
+    encoder_hidden_states = encoder_hidden_states + update[:, :text_len]
+    hidden_states = hidden_states + update[:, text_len:]
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
 
 
 def _proj_out(proj_out: nn.Module, attention: torch.Tensor, mlp_input: torch.Tensor) -> torch.Tensor:

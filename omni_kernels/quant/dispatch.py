@@ -12,6 +12,7 @@ so ``torch.compile(fullgraph=True)`` traces through :func:`quantize_per_token`.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -137,6 +138,33 @@ def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, c
 
 _quantize_per_token_triton_op.register_fake(_fake_quantize)
 
+
+@_register_triton_op("omni_kernels::quantize_per_token_concat_triton", mutates_args=())
+def _quantize_per_token_concat_triton_op(
+    prefix: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_bias: torch.Tensor | None,
+    mod_scale: torch.Tensor | None,
+    mod_shift: torch.Tensor | None,
+    norm: int,
+    eps: float,
+    clamp: float,
+    out_dtype: torch.dtype,
+    batch: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from omni_kernels.quant.triton_kernel import launch_quantize_per_token_triton
+
+    return launch_quantize_per_token_triton(
+        x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype, prefix=prefix, batch=batch
+    )
+
+
+@_quantize_per_token_concat_triton_op.register_fake
+def _(prefix, x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype, batch):
+    rows = prefix.shape[0] + x.shape[0]
+    return x.new_empty((rows, x.shape[1]), dtype=out_dtype), x.new_empty((rows, 1), dtype=torch.float32)
+
 if has_compiled_extension():
     torch.library.register_fake("omni_kernels::quantize_per_token")(_fake_quantize)
 
@@ -222,8 +250,10 @@ def triton_ineligible_reason(x2: torch.Tensor, qdtype: torch.dtype) -> str | Non
     return None
 
 
-def _ineligible_reason(backend, x2, qdtype, operands) -> str | None:
+def _ineligible_reason(backend, x2, qdtype, operands, has_prefix: bool = False) -> str | None:
     if backend == "cuda":
+        if has_prefix:
+            return "the CUDA kernel reads one input tensor, not a prefix and x apart (Triton or torch do)"
         return _cuda_ineligible_reason(x2, qdtype, operands)
     if backend == "triton":
         return triton_ineligible_reason(x2, qdtype)
@@ -235,6 +265,29 @@ def supported_backends(x: torch.Tensor, dtype="int8") -> dict[str, str | None]:
     qdtype = resolve_quant_dtype(dtype)
     x2 = x.reshape(-1, x.shape[-1])
     return {b: _ineligible_reason(b, x2, qdtype, {}) for b in _AUTO_ORDER}
+
+
+def _check_prefix(prefix: torch.Tensor | None, x: torch.Tensor, mod: torch.Tensor | None) -> int:
+    """The batch (product of the leading dims) of ``cat([prefix, x], -2)``; ``ValueError`` naming
+    what does not fit."""
+    if prefix is None:
+        return 1
+    if not isinstance(prefix, torch.Tensor) or x.dim() < 2 or prefix.dim() != x.dim() or (
+        prefix.shape[:-2] != x.shape[:-2] or prefix.shape[-1] != x.shape[-1]
+    ):
+        raise ValueError(
+            f"prefix must be [..., P, K] with x [..., S, K] (same leading dims and K); got prefix "
+            f"{tuple(prefix.shape) if isinstance(prefix, torch.Tensor) else type(prefix).__name__} and x {tuple(x.shape)}"
+        )
+    if prefix.dtype != x.dtype or prefix.device != x.device:
+        raise ValueError(f"prefix must be {x.dtype} on {x.device} like x; got {prefix.dtype} on {prefix.device}")
+    batch = math.prod(x.shape[:-2])
+    if mod is not None and batch % max(1, mod.numel() // max(1, x.shape[-1])):
+        raise ValueError(
+            f"with a prefix the modulation tables' rows must divide the batch {batch} (whole samples a "
+            f"table); got {mod.numel() // x.shape[-1]} rows"
+        )
+    return batch
 
 
 def _as_table(t: torch.Tensor | None, k: int) -> torch.Tensor | None:
@@ -254,6 +307,7 @@ def quantize_per_token(
     mod_shift: torch.Tensor | None = None,
     clamp: float | None = None,
     backend: str = "auto",
+    prefix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row (token) of ``x`` to FP8 e4m3 or INT8 with its own scale.
 
@@ -272,6 +326,11 @@ def quantize_per_token(
             rows of ``x`` are split into G equal consecutive groups (G = batch).
         clamp: clip ``y`` to ``[-clamp, clamp]`` before the absolute maximum.
         backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"torch"``.
+        prefix: ``None``, or ``[..., P, K]`` with ``x`` ``[..., S, K]`` (same leading dims, dtype
+            and device): the input is then ``cat([prefix, x], dim=-2)`` (a joint text + image
+            sequence kept as two tensors), read in place by the Triton kernel (the CUDA one
+            cannot; the torch backend concatenates). The modulation tables' G must divide the
+            batch (the leading dims' product): groups of whole samples.
 
     Returns:
         ``(q, scale)``: ``q`` of ``x``'s shape in the quantized dtype, ``scale``
@@ -285,7 +344,10 @@ def quantize_per_token(
         raise ValueError(f"backend must be one of {QUANTIZE_BACKENDS}; got {backend!r}")
     qdtype = resolve_quant_dtype(dtype)
     _check_arguments(x, qdtype, norm, norm_weight, norm_bias, eps, mod_scale, mod_shift, clamp)
+    batch = _check_prefix(prefix, x, mod_scale if mod_scale is not None else mod_shift)
     lead, k = x.shape[:-1], x.shape[-1]
+    if prefix is not None:
+        lead = (*x.shape[:-2], prefix.shape[-2] + x.shape[-2])
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -298,13 +360,28 @@ def quantize_per_token(
     order = auto_order(x2.shape[0])
     backend = choose_backend(
         "quantize_per_token", backend, order,
-        lambda name: _ineligible_reason(name, x2, qdtype, operands),
+        lambda name: _ineligible_reason(name, x2, qdtype, operands, prefix is not None),
         log_key=(x.device.type, x.dtype, qdtype, order[0]),
         describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
         logged=_logged_auto_choices, logger=logger,
     )
 
-    if backend == "torch":
+    if prefix is not None:
+        prefix2 = prefix.reshape(-1, k)
+        if prefix2.stride(-1) != 1:
+            prefix2 = prefix2.contiguous()
+        if backend == "torch":
+            joint = torch.cat([prefix, x], dim=-2).reshape(-1, k)
+            q, scale = quantize_per_token_reference(
+                joint, qdtype, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
+                mod_scale=mod_scale, mod_shift=mod_shift, clamp=clamp,
+            )
+        else:
+            q, scale = torch.ops.omni_kernels.quantize_per_token_concat_triton(
+                prefix2, x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
+                float(clamp) if clamp is not None else 0.0, qdtype, batch,
+            )
+    elif backend == "torch":
         q, scale = quantize_per_token_reference(
             x2, qdtype, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
             mod_scale=mod_scale, mod_shift=mod_shift, clamp=clamp,

@@ -106,16 +106,28 @@ def _quantize_per_token_kernel(
     x_ptr, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
     K, x_row_stride, q_row_stride, mod_row_stride, rows_per_group,
     eps, clamp_val,
+    p_ptr, p_row_stride, sample_rows, prefix_rows,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     # Inductor launches a traced triton_op's kernel with Python floats typed fp64; the math is fp32.
     eps = tl.cast(eps, tl.float32)
     clamp_val = tl.cast(clamp_val, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
+    if HAS_PREFIX:
+        # Row r of cat([prefix, x], dim=-2): each sample's sample_rows rows are its prefix_rows
+        # rows of prefix, then its rows of x; read in place, the cat is never written.
+        sample = row // sample_rows
+        t = row - sample * sample_rows
+        if t < prefix_rows:
+            x_row = p_ptr + (sample * prefix_rows + t) * p_row_stride
+        else:
+            x_row = x_ptr + (sample * (sample_rows - prefix_rows) + t - prefix_rows) * x_row_stride
+    else:
+        x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
     mod_row = (row // rows_per_group) * mod_row_stride
     kf = K * 1.0
@@ -302,8 +314,15 @@ def launch_quantize_per_token_triton(
     max_tile: int = MAX_TILE,
     rows_per_program: int = 1,
     num_warps: int | None = None,
+    prefix: torch.Tensor | None = None,
+    batch: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x`` ``[M, K]``; returns ``(q [M, K], scale [M, 1] float32)``.
+
+    With ``prefix`` ``[batch * P, K]`` (unit column stride, ``x``'s dtype), the rows quantized
+    are those of ``cat([prefix.view(batch, P, K), x.view(batch, S, K)], 1)`` flattened, read in
+    place: ``q`` and ``scale`` have ``batch * (P + S)`` rows in that order (a joint text + image
+    sequence whose two parts are separate tensors). One row a program only.
 
     Arguments are validated by :func:`omni_kernels.quant.quantize_per_token`:
     ``x`` has unit column stride; ``norm_weight``/``norm_bias`` are ``[K]``;
@@ -318,6 +337,13 @@ def launch_quantize_per_token_triton(
     for one row, and for several rows about 16 values a thread, at most 8 warps).
     """
     m, k = x.shape
+    if prefix is not None:
+        if rows_per_program != 1:
+            raise ValueError(f"prefix takes one row a program; got rows_per_program={rows_per_program}")
+        if batch < 1 or prefix.shape[0] % batch or m % batch or prefix.shape[1] != k:
+            raise ValueError(f"prefix [batch * P, K={k}] and x [batch * S, K] with batch={batch}; "
+                             f"got {tuple(prefix.shape)} and {tuple(x.shape)}")
+        m += prefix.shape[0]
     block, single, default_warps = launch_config(k, max_tile)
     _check_tuning_options(rows_per_program, num_warps, k, single, max_tile)
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
@@ -351,8 +377,12 @@ def launch_quantize_per_token_triton(
     # wrap_triton: under torch.compile Inductor traces the triton_op around this and launches
     # the kernel from its generated code (no Python launcher, no custom-op call a step).
     if rows_per_program == 1:
+        # (without a prefix, x stands in for its pointer: never dereferenced)
+        prefix_args = ((prefix, prefix.stride(0), m // batch, prefix.shape[0] // batch) if prefix is not None
+                       else (x, 0, 1, 0))
         wrap_triton(_quantize_per_token_kernel)[(m,)](
-            *pointers, k, *row_scalars, **constants, num_warps=num_warps or default_warps,
+            *pointers, k, *row_scalars, *prefix_args, **constants, HAS_PREFIX=prefix is not None,
+            num_warps=num_warps or default_warps,
         )
     else:
         wrap_triton(_quantize_rows_per_token_kernel)[(triton.cdiv(m, rows_per_program),)](

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from omni_diffusion import quantization as Q  # noqa: E402
+from omni_kernels._triton import triton_interpreter_enabled  # noqa: E402
 from omni_diffusion.adapters import adapter_for_transformer  # noqa: E402
 from omni_diffusion.adapters.flux import (  # noqa: E402
     dual_block_forward_norm_fused,
@@ -44,8 +45,9 @@ def _quantized_pair(method="fp8", fused_processor=True, **options):
     model, inputs = tiny_flux_transformer()
     adapter = adapter_for_transformer(model)
     plain, fused = copy.deepcopy(model), copy.deepcopy(model)
-    quantize(plain, QuantConfig(method=method, fuse_norms=False, **CPU_OPTIONS, **options), adapter=adapter)
-    quantize(fused, QuantConfig(method=method, **CPU_OPTIONS, **options), adapter=adapter)
+    options = {**CPU_OPTIONS, **options}
+    quantize(plain, QuantConfig(method=method, fuse_norms=False, **options), adapter=adapter)
+    quantize(fused, QuantConfig(method=method, **options), adapter=adapter)
     if fused_processor:
         adapter.apply_fused_norm_rope(plain)
         adapter.apply_fused_norm_rope(fused)
@@ -65,14 +67,16 @@ def test_norm_fused_forwards_match_the_block_forwards(method, monkeypatch):
     original = Q.quantize_per_token
 
     def counting(x, *args, **kwargs):
-        calls.append((tuple(x.shape), kwargs.get("norm")))
+        prefix = kwargs.get("prefix")
+        calls.append((tuple(x.shape), kwargs.get("norm"), None if prefix is None else tuple(prefix.shape)))
         return original(x, *args, **kwargs)
 
     monkeypatch.setattr(Q, "quantize_per_token", counting)
     out = _run(fused, inputs)
-    # dual block: image norm1, text norm1_context, image norm2, text norm2_context; single: the joint norm
-    assert calls == [((1, 16, 32), "layer"), ((1, 8, 32), "layer"), ((1, 16, 32), "layer"),
-                     ((1, 8, 32), "layer"), ((1, 24, 32), "layer")]
+    # dual block: image norm1, text norm1_context, image norm2, text norm2_context; single: the
+    # joint norm, its text tokens read from their own tensor (no cat)
+    assert calls == [((1, 16, 32), "layer", None), ((1, 8, 32), "layer", None), ((1, 16, 32), "layer", None),
+                     ((1, 8, 32), "layer", None), ((1, 16, 32), "layer", (1, 8, 32))]
     ref = _run(plain, inputs)
     assert _rel(out, ref) < 1e-4, _rel(out, ref)
     assert _rel(out, _run(model, inputs)) < 0.1  # and as close to the unquantized model as before
@@ -91,6 +95,16 @@ def test_norm_fused_forwards_batch_of_two_samples():
     assert _rel(out, ref) < 1e-4, _rel(out, ref)
     # the first sample is what it is alone
     assert _rel(out[:1], _run(fused, inputs)) < 1e-5
+
+
+@pytest.mark.skipif(not triton_interpreter_enabled(), reason="runs omni's Triton kernels under TRITON_INTERPRET=1")
+def test_norm_fused_forwards_with_the_triton_kernels():
+    """With the layers' activation quantization on omni's Triton kernels (the interpreter here),
+    the single blocks' joint sequence read as two tensors (the prefix launch) and the
+    norm/adaLN-fused kernel give the unfused blocks' output within float32 rounding."""
+    _, plain, fused, inputs = _quantized_pair("int8", activation_backend="triton")
+    out, ref = _run(fused, inputs), _run(plain, inputs)
+    assert _rel(out, ref) < 1e-4, _rel(out, ref)
 
 
 def test_norm_fused_forwards_fall_back_without_the_fused_processor():
