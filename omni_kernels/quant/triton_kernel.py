@@ -377,9 +377,8 @@ def launch_quantize_per_token_triton(
     # wrap_triton: under torch.compile Inductor traces the triton_op around this and launches
     # the kernel from its generated code (no Python launcher, no custom-op call a step).
     if rows_per_program == 1:
-        # (without a prefix, x stands in for its pointer: never dereferenced)
         prefix_args = ((prefix, prefix.stride(0), m // batch, prefix.shape[0] // batch) if prefix is not None
-                       else (x, 0, 1, 0))
+                       else (dummy, 0, 1, 0))
         wrap_triton(_quantize_per_token_kernel)[(m,)](
             *pointers, k, *row_scalars, *prefix_args, **constants, HAS_PREFIX=prefix is not None,
             num_warps=num_warps or default_warps,
