@@ -45,8 +45,8 @@ def test_triton_settings_are_launcher_options(tune):
 
 
 def test_values_per_thread(tune):
-    # 3072 columns take a 4096-wide tile; 15360 a 16384-wide one (launch_config's default: 8 warps).
-    assert tune.values_per_thread(3072, {}) == 4096 // 256
+    # 3072 columns take a 4096-wide tile (launch_config's default: 4 warps); 15360 a 16384-wide one.
+    assert tune.values_per_thread(3072, {}) == 4096 // 128
     assert tune.values_per_thread(3072, dict(rows_per_program=16, num_warps=4)) == 16 * 4096 // 128
     assert tune.values_per_thread(15360, dict(num_warps=4)) == 16384 // 128
     assert tune.values_per_thread(200, dict(rows_per_program=4)) == 4 * 256 // (32 * 2)
