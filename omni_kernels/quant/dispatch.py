@@ -361,8 +361,8 @@ def quantize_per_token(
     backend = choose_backend(
         "quantize_per_token", backend, order,
         lambda name: _ineligible_reason(name, x2, qdtype, operands, prefix is not None),
-        log_key=(x.device.type, x.dtype, qdtype, order[0]),
-        describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}",
+        log_key=(x.device.type, x.dtype, qdtype, order[0], prefix is not None),
+        describe=lambda: f"{x.device.type} {x.dtype} -> {qdtype}{' with a prefix' if prefix is not None else ''}",
         logged=_logged_auto_choices, logger=logger,
     )
 
