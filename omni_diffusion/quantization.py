@@ -867,18 +867,19 @@ def quantize_modulated_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reader``'s per-token quantization of ``norm(x) * (1 + scale) + shift``, in one pass.
 
-    With ``prefix`` ``[B, P, K]``, ``x`` is ``cat([prefix, x], 1)`` (a joint text + image
-    sequence held as two tensors), read in place where the backend is Triton (the CUDA
-    kernel cannot: ``auto`` then takes Triton); the results have ``P + S`` rows a sample.
-
     ``x`` ``[B, S, K]`` (16-bit or float32), ``shift``/``scale`` ``[B, K]`` (the adaLN
     modulation of each sample; any float dtype); ``norm`` a LayerNorm over K (with or
     without its affine); ``reader`` a W8A8 :class:`QuantizedLinear` whose weight dtype and
     ``clamp`` the quantization takes. Returns ``(codes [B, S, K], scales [B, S, 1] float32)``
     for ``reader.forward_quantized`` (and any other layer :func:`w8a8_readers_unfit`
-    accepts with it). The kernel is omni's CUDA or Triton one under ``torch.compile`` too
-    (an opaque op: its point is the pass Inductor would otherwise write), unless the layer
-    asks for ``activation_backend="torch"``.
+    accepts with it). The kernel is omni's (Triton first under ``torch.compile``, where
+    Inductor launches it: its point is the pass Inductor would otherwise write), unless the
+    layer asks for ``activation_backend="torch"``.
+
+    With ``prefix`` ``[B, P, K]`` the input is ``cat([prefix, x], 1)`` (a joint text + image
+    sequence held as two tensors), read in place by the Triton kernel (the CUDA one cannot:
+    ``auto`` takes Triton, and a layer asking for ``"cuda"`` gets the cat); the results then
+    have ``P + S`` rows a sample.
     """
     backend = reader.activation_backend if reader.activation_backend in ("cuda", "triton", "torch") else "auto"
     if prefix is not None and backend == "cuda":
