@@ -19,6 +19,11 @@
   single-stream blocks' ``proj_mlp`` reads the same input as ``to_q/k/v`` but
   is not fused: under ``torch.compile`` Inductor quantizes that input once for
   both in the kernel that produces it.)
+* Norm fusion (W8A8, ``QuantConfig.fuse_norms``): both block kinds get a forward that quantizes
+  each LayerNorm + adaLN output once in omni's fused kernel for all the projections reading it
+  (the single blocks read their text and image streams in place: no 16-bit joint cat); it needs
+  the fused attention processor (``attend_projected``) and falls back to the block's own forward
+  without it.
 * TeaCache: the first block's ``norm1(hidden_states, emb=temb)`` output, with
   the polynomial TeaCache4FLUX calibrated on FLUX.1-dev (ali-vilab/TeaCache).
 """
