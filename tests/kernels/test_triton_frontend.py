@@ -25,7 +25,8 @@ _ACTIVATED_ARGS = {"x_ptr": "*bf16", "p_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_p
                    "q_row_stride": "i32", "clamp_val": "fp32"}
 _PER_TOKEN_ARGS = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
                    "ms_ptr": "*bf16", "mt_ptr": "*bf16", "K": "i32", "x_row_stride": "i32", "q_row_stride": "i32",
-                   "mod_row_stride": "i32", "rows_per_group": "i32", "eps": "fp32", "clamp_val": "fp32"}
+                   "mod_row_stride": "i32", "rows_per_group": "i32", "eps": "fp32", "clamp_val": "fp32",
+                   "p_ptr": "*bf16", "p_row_stride": "i32", "sample_rows": "i32", "prefix_rows": "i32"}
 
 # activated_concat: the prefix read through its own pointer (Flux's proj_out input without its cat).
 # -recompute: the single-tile path that applies the GELU again for the store.
@@ -39,12 +40,13 @@ CASES = {
     for prefix in (False, True) for q in ("fp8", "int8") for tile in (True, False)
     for recompute in ((False, True) if tile else (False,))
 }
+# per_token_prefix: the joint sequence's text rows read through their own pointer (no cat).
 CASES.update({
-    f"per_token-norm{norm}-{'tile' if tile else 'chunked'}": (
+    f"per_token{'_prefix' if prefix else ''}-norm{norm}-{'tile' if tile else 'chunked'}": (
         "omni_kernels.quant.triton_kernel", "_quantize_per_token_kernel", _PER_TOKEN_ARGS,
         dict(_QUANT_CONSTANTS, NORM=norm, HAS_W=True, HAS_B=norm == 2, HAS_MOD_SCALE=True, HAS_MOD_SHIFT=True,
-             HAS_CLAMP=False, BLOCK_K=4096, SINGLE_TILE=tile))
-    for norm in (0, 1, 2) for tile in (True, False)
+             HAS_CLAMP=False, BLOCK_K=4096, SINGLE_TILE=tile, HAS_PREFIX=prefix))
+    for prefix in (False, True) for norm in ((0, 1, 2) if not prefix else (2,)) for tile in (True, False)
 })
 
 
