@@ -367,9 +367,6 @@ def quantize_per_token(
     )
 
     if prefix is not None:
-        prefix2 = prefix.reshape(-1, k)
-        if prefix2.stride(-1) != 1:
-            prefix2 = prefix2.contiguous()
         if backend == "torch":
             joint = torch.cat([prefix, x], dim=-2).reshape(-1, k)
             q, scale = quantize_per_token_reference(
@@ -377,6 +374,9 @@ def quantize_per_token(
                 mod_scale=mod_scale, mod_shift=mod_shift, clamp=clamp,
             )
         else:
+            prefix2 = prefix.reshape(-1, k)
+            if prefix2.stride(-1) != 1:
+                prefix2 = prefix2.contiguous()
             q, scale = torch.ops.omni_kernels.quantize_per_token_concat_triton(
                 prefix2, x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
                 float(clamp) if clamp is not None else 0.0, qdtype, batch,

@@ -97,7 +97,9 @@ def test_norm_fused_forwards_batch_of_two_samples():
     assert _rel(out[:1], _run(fused, inputs)) < 1e-5
 
 
-@pytest.mark.skipif(not triton_interpreter_enabled(), reason="runs omni's Triton kernels under TRITON_INTERPRET=1")
+@pytest.mark.skipif(not triton_interpreter_enabled(),
+                    reason="needs TRITON_INTERPRET=1 (omni's Triton kernels on the CPU, float32); on a GPU "
+                           "test_gpu_flux_norm_fused_forwards covers the same path in bf16")
 def test_norm_fused_forwards_with_the_triton_kernels():
     """With the layers' activation quantization on omni's Triton kernels (the interpreter here),
     the single blocks' joint sequence read as two tensors (the prefix launch) and the
