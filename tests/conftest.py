@@ -8,6 +8,7 @@ skipped on such machines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -168,6 +169,26 @@ def qk_reference_upcast(
     )
 
 
+@contextlib.contextmanager
+def outputs_allocated_poisoned():
+    """``torch.empty`` returns tensors filled with 0xFF bytes (int8 -1, float32 NaN) while this is
+    active: an element a kernel fails to write shows up even where the allocator hands back the
+    memory of an earlier, correct output."""
+    allocate = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = allocate(*args, **kwargs)
+        if out.numel():
+            out.view(torch.uint8).fill_(0xFF)
+        return out
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = allocate
+
+
 # --------------------------------------------------------------------------- fixtures
 
 
@@ -181,6 +202,12 @@ def inputs(request: pytest.FixtureRequest) -> InputFactory:
 def rel_err():
     """:func:`relative_error`: ``||out - ref|| / ||ref||`` in float64."""
     return relative_error
+
+
+@pytest.fixture
+def poisoned_outputs():
+    """:func:`outputs_allocated_poisoned`, the context manager (``with poisoned_outputs(): ...``)."""
+    return outputs_allocated_poisoned
 
 
 @pytest.fixture

@@ -16,8 +16,6 @@ bench/quant_per_token.py times.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -32,6 +30,13 @@ needs_interpreter_or_gpu = pytest.mark.skipif(
 )
 
 VARIANTS = ["plain", "rms", "layer_affine", "adaln_groups", "adaln_clamp"]
+
+
+@pytest.fixture(autouse=True)
+def _outputs_poisoned(poisoned_outputs):
+    """Every tensor the kernels allocate here starts as 0xFF bytes (see conftest)."""
+    with poisoned_outputs():
+        yield
 
 
 def _variant_options(inputs, variant: str, k: int, dtype: torch.dtype, device="cpu") -> tuple[int, dict]:
@@ -54,31 +59,12 @@ def _variant_options(inputs, variant: str, k: int, dtype: torch.dtype, device="c
     raise ValueError(variant)
 
 
-@contextlib.contextmanager
-def _outputs_allocated_poisoned():
-    """``torch.empty`` returns tensors filled with 0xFF bytes while this is active."""
-    allocate = torch.empty
-
-    def poisoned(*args, **kwargs):
-        out = allocate(*args, **kwargs)
-        if out.numel():
-            out.view(torch.uint8).fill_(0xFF)
-        return out
-
-    torch.empty = poisoned
-    try:
-        yield
-    finally:
-        torch.empty = allocate
-
-
 def _launch(x, options: dict, out_dtype=torch.int8, **tuning):
-    with _outputs_allocated_poisoned():
-        return launch_quantize_per_token_triton(
-            x, options.get("norm_weight"), options.get("norm_bias"), options.get("mod_scale"),
-            options.get("mod_shift"), _NORM_CODES[options.get("norm")], options.get("eps", 1e-6),
-            options.get("clamp") or 0.0, out_dtype, **tuning,
-        )
+    return launch_quantize_per_token_triton(
+        x, options.get("norm_weight"), options.get("norm_bias"), options.get("mod_scale"),
+        options.get("mod_shift"), _NORM_CODES[options.get("norm")], options.get("eps", 1e-6),
+        options.get("clamp") or 0.0, out_dtype, **tuning,
+    )
 
 
 def _assert_bit_identical(q, scale, q_default, scale_default):
