@@ -12,8 +12,6 @@ times, on the same inputs in one process, each setting the launcher offers:
   16-bit input and applying the GELU again for the store (``recompute``: fewer registers a
   thread, so more rows in flight);
 * ``chunked-N``: N-wide chunks read twice (the second read from L2), 4 or 8 warps;
-* ``persistent-CxS``: the persistent launch (``programs``): C programs per SM, each walking its
-  rows and loading the next one while it quantizes the current one, 8 or 16 warps;
 * for the prefix shape, ``cat+kernel``: what the fold cost before the prefix (a ``torch.cat``
   then the kernel on the cat);
 * ``cuda``: omni's CUDA C++ kernel (``torch.ops.omni_kernels.quantize_activated``, when the
@@ -65,14 +63,12 @@ SHAPES = {
 DEFAULT_SHAPES = ("flux-single-proj-out", "flux-ff-down", "flux-ff-context-down", "wan14b-ffn-down")
 
 
-def settings(shape: Shape, sms: int = 132) -> list[tuple[str, dict]]:
-    """``(label, launcher keyword arguments)``, the default first; ``persistent-CxS``: ``C``
-    programs per SM of the ``sms`` (``S``), each prefetching its next row."""
+def settings(shape: Shape) -> list[tuple[str, dict]]:
+    """``(label, launcher keyword arguments)``, the default first."""
     out = [("tile-8w-keep", {})]
     out += [(f"tile-{w}w-keep", dict(num_warps=w)) for w in (4, 16, 32)]
     out += [(f"tile-{w}w-recompute", dict(num_warps=w, recompute_activation=True)) for w in (4, 8, 16, 32)]
     out += [(f"chunked-{n}-{w}w", dict(max_tile=n, num_warps=w)) for n in (2048, 4096) for w in (4, 8)]
-    out += [(f"persistent-{c}x{sms}-{w}w", dict(programs=c * sms, num_warps=w)) for c in (1, 2, 4) for w in (8, 16)]
     return out
 
 
@@ -86,7 +82,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
     nbytes = shape.rows * (shape.prefix + shape.width) * (x.element_size() + 1)
     rows = []
     baseline = None
-    for label, options in settings(shape, torch.cuda.get_device_properties(x.device).multi_processor_count):
+    for label, options in settings(shape):
         def call(options=options):
             return launch(x, 0, 0.0, out_dtype, prefix=head, **options)
         try:

@@ -59,12 +59,10 @@ SHAPES = {
 DEFAULT_SHAPES = ("flux-3072", "flux-12288", "flux-15360", "wan14b-5120", "wan14b-13824")
 
 
-def triton_settings(sms: int = 132) -> list[tuple[str, dict]]:
-    """``(label, launcher keyword arguments)`` of the Triton tuning settings timed beside the op;
-    ``triton-pC-wW``: the persistent launch, ``C`` programs per SM (``sms`` of them)."""
+def triton_settings() -> list[tuple[str, dict]]:
+    """``(label, launcher keyword arguments)`` of the Triton tuning settings timed beside the op."""
     out = [("triton-launcher", {}), ("triton-r1-w4", dict(num_warps=4))]
     out += [(f"triton-r{r}-w{w}", dict(rows_per_program=r, num_warps=w)) for r in (2, 4, 8, 16) for w in (4, 8)]
-    out += [(f"triton-p{c}-w{w}", dict(programs=c * sms, num_warps=w)) for c in (1, 2, 4, 8) for w in (4, 8)]
     return out
 
 
@@ -75,8 +73,7 @@ def values_per_thread(cols: int, options: dict) -> int:
     block, _, default_warps = launch_config(cols, MAX_TILE)
     rows = options.get("rows_per_program", 1)
     warps = options.get("num_warps") or (default_warps if rows == 1 else multi_row_warps(rows, block))
-    # the persistent launch also holds the next row's 16-bit values (about half as many registers)
-    return rows * block // (32 * warps) * (3 if "programs" in options else 2) // 2
+    return rows * block // (32 * warps)
 
 
 def _agree_within_tolerance(q_a, s_a, q_b, s_b) -> bool:
@@ -129,7 +126,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
             record(label, median_us(lambda op=op: op(*args)), None if label == "cuda" else True,
                    "ok" if agree else f"cuda and triton differ (largest code difference {steps.max().item():.3g})")
         del q_c, s_c
-        for label, options in triton_settings(torch.cuda.get_device_properties(x.device).multi_processor_count):
+        for label, options in triton_settings():
             values = values_per_thread(shape.cols, options)
             if values > max_values_per_thread:
                 record(label, None, None, f"skipped: {values} values a thread > --max-values-per-thread "

@@ -146,51 +146,6 @@ def _quantize_activated_kernel(
             quantize_store(y, inv, q_row, cols, cols < width, QMAX, IS_INT8, USE_LIBDEVICE)
 
 
-@triton.jit
-def _quantize_activated_persistent_kernel(
-    x_ptr, p_ptr, q_ptr, s_ptr,
-    M, K, prefix_width, activation_from, x_row_stride, p_row_stride, q_row_stride, clamp_val,
-    HAS_PREFIX: tl.constexpr, HAS_CLAMP: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-    MIN_AMAX: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    SINGLE_TILE: tl.constexpr,
-):
-    """Single-tile rows with fewer programs than rows: program ``p`` of ``G`` quantizes rows
-    ``p, p + G, ...`` and loads its next row (16-bit, and its prefix) before it works on the
-    current one, so that HBM read is in flight during this row's GELU, reduction and stores.
-    Each row's arithmetic is :func:`_quantize_activated_kernel`'s single-tile path (keep form):
-    same values."""
-    tl.static_assert(SINGLE_TILE, "the persistent launch needs rows that fit one register tile")
-    first = tl.program_id(0)
-    step = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    p_cols = tl.arange(0, BLOCK_P)
-    p_mask = p_cols < prefix_width
-    row = first.to(tl.int64)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < M), other=0.0)
-    if HAS_PREFIX:
-        p = tl.load(p_ptr + row * p_row_stride + p_cols, mask=p_mask & (row < M), other=0.0)
-    for _ in range(first, M, step):
-        nxt = row + step
-        x_next = tl.load(x_ptr + nxt * x_row_stride + cols, mask=mask & (nxt < M), other=0.0)
-        y = _activated(x, cols, mask, activation_from, clamp_val, HAS_CLAMP)
-        amax = tl.max(tl.abs(y), axis=0)
-        if HAS_PREFIX:
-            p_next = tl.load(p_ptr + nxt * p_row_stride + p_cols, mask=p_mask & (nxt < M), other=0.0)
-            y_p = _clamped(p.to(tl.float32), p_mask, clamp_val, HAS_CLAMP)
-            amax = tl.maximum(amax, tl.max(tl.abs(y_p), axis=0))
-        amax = tl.maximum(amax, MIN_AMAX)
-        tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
-        inv = tl.math.div_rn(QMAX, amax)
-        q_row = q_ptr + row * q_row_stride
-        if HAS_PREFIX:
-            quantize_store(y_p, inv, q_row, p_cols, p_mask, QMAX, IS_INT8, USE_LIBDEVICE)
-            p = p_next
-        quantize_store(y, inv, q_row + prefix_width, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
-        x = x_next
-        row = nxt
-
-
 def launch_quantize_activated_triton(
     x: torch.Tensor,
     activation_from: int,
@@ -201,7 +156,6 @@ def launch_quantize_activated_triton(
     max_tile: int = MAX_TILE,
     num_warps: int | None = None,
     recompute_activation: bool = False,
-    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GELU on the columns ``activation_from:`` of ``x`` ``[M, K]``, then per-row quantization of
     ``cat(prefix, GELU part of x)``; returns ``(q [M, K0 + K] out_dtype, scale [M, 1] float32)``.
@@ -218,19 +172,11 @@ def launch_quantize_activated_triton(
     ``num_warps`` (a power of two, 1 to 32; ``None``: :func:`~omni_kernels.quant.triton_kernel.launch_config`'s,
     at most 8) and ``recompute_activation`` (single-tile rows: keep only the 16-bit input in
     registers across the row's reduction and apply the GELU again for the store; same values)
-    are for tuning, as is ``programs`` (``None``: one program a row): that many programs (at
-    most ``M``) each quantize every ``programs``-th row, loading the next while working on the
-    current one (single-tile rows only, not with ``recompute_activation``; same values).
-    Launched through ``torch.library.wrap_triton`` so that Inductor, which traces the
-    ``triton_op`` wrapping this, calls the kernel from its generated code directly.
+    are for tuning. Launched through ``torch.library.wrap_triton`` so that Inductor,
+    which traces the ``triton_op`` wrapping this, calls the kernel from its generated code directly.
     """
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"num_warps must be None or a power of two from 1 to 32; got {num_warps!r}")
-    if programs is not None:
-        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
-            raise ValueError(f"programs must be None or a positive int; got {programs!r}")
-        if recompute_activation:
-            raise ValueError("programs (the persistent launch) keeps the activated row: recompute_activation=False")
     m, k = x.shape
     prefix_width = prefix.shape[1] if prefix is not None else 0
     width = prefix_width + k
@@ -243,18 +189,14 @@ def launch_quantize_activated_triton(
     block, single, default_warps = launch_config(width, max_tile)
     if single:
         block = max(16, triton.next_power_of_2(k))
-    elif programs is not None:
-        raise ValueError(f"programs (the persistent launch) needs rows that fit one register tile "
-                         f"(K0 + K <= max_tile={max_tile}); got {width}")
-    block_p = max(16, triton.next_power_of_2(prefix_width)) if has_prefix else 16
-    row_args = (k, prefix_width, activation_from, x.stride(0), prefix.stride(0) if has_prefix else 0, q.stride(0),
-                float(clamp))
-    constants = dict(HAS_PREFIX=has_prefix, BLOCK_P=block_p, **row_quantization_constants(out_dtype, clamp, block, single),
-                     num_warps=num_warps or default_warps)
-    if programs is not None:
-        wrap_triton(_quantize_activated_persistent_kernel)[(min(programs, m),)](
-            x, prefix if has_prefix else x, q, scale, m, *row_args, **constants)
-    else:
-        wrap_triton(_quantize_activated_kernel)[(m,)](
-            x, prefix if has_prefix else x, q, scale, *row_args, RECOMPUTE=bool(recompute_activation), **constants)
+    wrap_triton(_quantize_activated_kernel)[(m,)](
+        x, prefix if has_prefix else x, q, scale,
+        k, prefix_width, activation_from, x.stride(0), prefix.stride(0) if has_prefix else 0, q.stride(0),
+        float(clamp),
+        HAS_PREFIX=has_prefix,
+        RECOMPUTE=bool(recompute_activation),
+        BLOCK_P=max(16, triton.next_power_of_2(prefix_width)) if has_prefix else 16,
+        **row_quantization_constants(out_dtype, clamp, block, single),
+        num_warps=num_warps or default_warps,
+    )
     return q, scale

@@ -102,51 +102,6 @@ def quantize_store(y, inv, q_ptr, cols, mask, QMAX: tl.constexpr, IS_INT8: tl.co
 
 
 @triton.jit
-def _source_row(x_ptr, p_ptr, row, x_row_stride, p_row_stride, sample_rows, prefix_rows, HAS_PREFIX: tl.constexpr):
-    """Pointer to the first element of row ``row`` (int64) of the rows being quantized."""
-    if HAS_PREFIX:
-        # Row r of cat([prefix, x], dim=-2): each sample's sample_rows rows are its prefix_rows
-        # rows of prefix, then its rows of x; read in place, the cat is never written.
-        sample = row // sample_rows
-        t = row - sample * sample_rows
-        if t < prefix_rows:
-            x_row = p_ptr + (sample * prefix_rows + t) * p_row_stride
-        else:
-            x_row = x_ptr + (sample * (sample_rows - prefix_rows) + t - prefix_rows) * x_row_stride
-    else:
-        x_row = x_ptr + row * x_row_stride
-    return x_row
-
-
-@triton.jit
-def _quantize_tile(
-    x, cols, mask, row, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
-    K, q_row_stride, mod_row_stride, rows_per_group, eps, clamp_val,
-    NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
-    QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-):
-    """Quantize row ``row`` (int64) from its float32 values ``x`` (one register tile, 0 past ``K``)."""
-    q_row = q_ptr + row * q_row_stride
-    mod_row = (row // rows_per_group) * mod_row_stride
-    kf = K * 1.0
-    mean = 0.0
-    rstd = 1.0
-    if NORM == 2:
-        mean = tl.math.div_rn(tl.sum(x, axis=0), kf)
-        d = tl.where(mask, x - mean, 0.0)
-        rstd = _inv_sqrt(tl.math.div_rn(tl.sum(d * d, axis=0), kf) + eps)
-    elif NORM == 1:
-        rstd = _inv_sqrt(tl.math.div_rn(tl.sum(x * x, axis=0), kf) + eps)
-    y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row, clamp_val,
-                   NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX)
-    tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
-    inv = tl.math.div_rn(QMAX, amax)
-    quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
-
-
-@triton.jit
 def _quantize_per_token_kernel(
     x_ptr, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
     K, x_row_stride, q_row_stride, mod_row_stride, rows_per_group,
@@ -162,20 +117,40 @@ def _quantize_per_token_kernel(
     eps = tl.cast(eps, tl.float32)
     clamp_val = tl.cast(clamp_val, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    x_row = _source_row(x_ptr, p_ptr, row, x_row_stride, p_row_stride, sample_rows, prefix_rows, HAS_PREFIX)
+    if HAS_PREFIX:
+        # Row r of cat([prefix, x], dim=-2): each sample's sample_rows rows are its prefix_rows
+        # rows of prefix, then its rows of x; read in place, the cat is never written.
+        sample = row // sample_rows
+        t = row - sample * sample_rows
+        if t < prefix_rows:
+            x_row = p_ptr + (sample * prefix_rows + t) * p_row_stride
+        else:
+            x_row = x_ptr + (sample * (sample_rows - prefix_rows) + t - prefix_rows) * x_row_stride
+    else:
+        x_row = x_ptr + row * x_row_stride
+    q_row = q_ptr + row * q_row_stride
+    mod_row = (row // rows_per_group) * mod_row_stride
+    kf = K * 1.0
     if SINGLE_TILE:
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        _quantize_tile(x, cols, mask, row, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
-                       K, q_row_stride, mod_row_stride, rows_per_group, eps, clamp_val,
-                       NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP,
-                       QMAX, IS_INT8, MIN_AMAX, USE_LIBDEVICE)
+        mean = 0.0
+        rstd = 1.0
+        if NORM == 2:
+            mean = tl.math.div_rn(tl.sum(x, axis=0), kf)
+            d = tl.where(mask, x - mean, 0.0)
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(d * d, axis=0), kf) + eps)
+        elif NORM == 1:
+            rstd = _inv_sqrt(tl.math.div_rn(tl.sum(x * x, axis=0), kf) + eps)
+        y = _transform(x, cols, mask, mean, rstd, w_ptr, b_ptr, ms_ptr, mt_ptr, mod_row, clamp_val,
+                       NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX)
+        tl.store(s_ptr + row, tl.math.div_rn(amax, QMAX))
+        inv = tl.math.div_rn(QMAX, amax)
+        quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
     else:
         # Long rows: one pass per statistic, each re-reading the row (from L2).
-        q_row = q_ptr + row * q_row_stride
-        mod_row = (row // rows_per_group) * mod_row_stride
-        kf = K * 1.0
         mean = 0.0
         rstd = 1.0
         if NORM == 2:
@@ -218,44 +193,6 @@ def _quantize_per_token_kernel(
                            clamp_val, NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP)
             quantize_store(y, inv, q_row, cols, mask, QMAX, IS_INT8, USE_LIBDEVICE)
 
-
-
-@triton.jit
-def _quantize_per_token_persistent_kernel(
-    x_ptr, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
-    M, K, x_row_stride, q_row_stride, mod_row_stride, rows_per_group,
-    eps, clamp_val,
-    p_ptr, p_row_stride, sample_rows, prefix_rows,
-    NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_MOD_SCALE: tl.constexpr, HAS_MOD_SHIFT: tl.constexpr, HAS_CLAMP: tl.constexpr,
-    QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-):
-    """Fewer programs than rows: program ``p`` of ``G`` quantizes rows ``p, p + G, ...``, loading
-    its next row before it works on the current one, so that HBM read is in flight during this
-    row's reductions and stores (one row a program leaves HBM idle in those phases). Each row
-    goes through :func:`_quantize_tile` as in :func:`_quantize_per_token_kernel`: same values."""
-    tl.static_assert(SINGLE_TILE, "the persistent launch needs rows that fit one register tile")
-    eps = tl.cast(eps, tl.float32)  # (fp64 when Inductor launches it: see _quantize_per_token_kernel)
-    clamp_val = tl.cast(clamp_val, tl.float32)
-    first = tl.program_id(0)
-    step = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    row = first.to(tl.int64)
-    x = tl.load(_source_row(x_ptr, p_ptr, row, x_row_stride, p_row_stride, sample_rows, prefix_rows, HAS_PREFIX)
-                + cols, mask=mask & (row < M), other=0.0)
-    for _ in range(first, M, step):
-        nxt = row + step
-        x_next = tl.load(_source_row(x_ptr, p_ptr, nxt, x_row_stride, p_row_stride, sample_rows, prefix_rows,
-                                     HAS_PREFIX) + cols, mask=mask & (nxt < M), other=0.0)
-        _quantize_tile(x.to(tl.float32), cols, mask, row, q_ptr, s_ptr, w_ptr, b_ptr, ms_ptr, mt_ptr,
-                       K, q_row_stride, mod_row_stride, rows_per_group, eps, clamp_val,
-                       NORM, HAS_W, HAS_B, HAS_MOD_SCALE, HAS_MOD_SHIFT, HAS_CLAMP,
-                       QMAX, IS_INT8, MIN_AMAX, USE_LIBDEVICE)
-        x = x_next
-        row = nxt
 
 
 @triton.jit
@@ -363,19 +300,6 @@ def _check_tuning_options(rows_per_program, num_warps, k: int, single: bool, max
         )
 
 
-def _check_programs(programs, rows_per_program: int, single: bool, k: int, max_tile: int) -> None:
-    """Raise ``ValueError`` for a ``programs`` (persistent launch) the kernels cannot take."""
-    if programs is None:
-        return
-    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
-        raise ValueError(f"programs must be None or a positive int; got {programs!r}")
-    if rows_per_program != 1:
-        raise ValueError(f"programs (the persistent launch) takes one row at a time; got rows_per_program={rows_per_program}")
-    if not single:
-        raise ValueError(f"programs (the persistent launch) needs rows that fit one register tile "
-                         f"(K <= max_tile={max_tile}); got K={k}")
-
-
 def launch_quantize_per_token_triton(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -392,7 +316,6 @@ def launch_quantize_per_token_triton(
     num_warps: int | None = None,
     prefix: torch.Tensor | None = None,
     batch: int = 1,
-    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x`` ``[M, K]``; returns ``(q [M, K], scale [M, 1] float32)``.
 
@@ -411,10 +334,7 @@ def launch_quantize_per_token_triton(
     two, 1 to 64; > 1 only for rows of at most ``max_tile`` values) quantizes that many
     consecutive rows in one program, as a ``[rows_per_program, BLOCK_K]`` tile, with the same
     arithmetic a row; ``num_warps`` (a power of two, 1 to 32; ``None``: :func:`launch_config`'s
-    for one row, and for several rows about 16 values a thread, at most 8 warps); ``programs``
-    (``None``: one program a row) launches that many programs (at most ``M``), each quantizing
-    every ``programs``-th row and loading its next row while it works on the current one
-    (single-tile rows and ``rows_per_program=1`` only; same values).
+    for one row, and for several rows about 16 values a thread, at most 8 warps).
     """
     m, k = x.shape
     if prefix is not None:
@@ -426,7 +346,6 @@ def launch_quantize_per_token_triton(
         m += prefix.shape[0]
     block, single, default_warps = launch_config(k, max_tile)
     _check_tuning_options(rows_per_program, num_warps, k, single, max_tile)
-    _check_programs(programs, rows_per_program, single, k, max_tile)
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
@@ -457,14 +376,9 @@ def launch_quantize_per_token_triton(
     )
     # wrap_triton: under torch.compile Inductor traces the triton_op around this and launches
     # the kernel from its generated code (no Python launcher, no custom-op call a step).
-    prefix_args = ((prefix, prefix.stride(0), m // batch, prefix.shape[0] // batch) if prefix is not None
-                   else (dummy, 0, 1, 0))
-    if programs is not None:
-        wrap_triton(_quantize_per_token_persistent_kernel)[(min(programs, m),)](
-            *pointers, m, k, *row_scalars, *prefix_args, **constants, HAS_PREFIX=prefix is not None,
-            num_warps=num_warps or default_warps,
-        )
-    elif rows_per_program == 1:
+    if rows_per_program == 1:
+        prefix_args = ((prefix, prefix.stride(0), m // batch, prefix.shape[0] // batch) if prefix is not None
+                       else (dummy, 0, 1, 0))
         wrap_triton(_quantize_per_token_kernel)[(m,)](
             *pointers, k, *row_scalars, *prefix_args, **constants, HAS_PREFIX=prefix is not None,
             num_warps=num_warps or default_warps,

@@ -49,23 +49,6 @@ CASES.update({
     for prefix in (False, True) for norm in ((0, 1, 2) if not prefix else (2,)) for tile in (True, False)
 })
 
-# persistent: fewer programs than rows, each prefetching its next row (tuning option `programs`).
-CASES.update({
-    f"activated_persistent{'_concat' if prefix else ''}-{q}": (
-        "omni_kernels.quant.activated_triton_kernel", "_quantize_activated_persistent_kernel",
-        {**_ACTIVATED_ARGS, "M": "i32", "q_ptr": "*i8" if q == "int8" else "*fp8e4nv"},
-        dict(_QUANT_CONSTANTS, IS_INT8=q == "int8", QMAX=127.0 if q == "int8" else 448.0, HAS_CLAMP=True,
-             HAS_PREFIX=prefix, BLOCK_P=4096 if prefix else 16, BLOCK_K=16384, SINGLE_TILE=True))
-    for prefix in (False, True) for q in ("fp8", "int8")
-})
-CASES.update({
-    f"per_token_persistent{'_prefix' if prefix else ''}-norm{norm}": (
-        "omni_kernels.quant.triton_kernel", "_quantize_per_token_persistent_kernel", {**_PER_TOKEN_ARGS, "M": "i32"},
-        dict(_QUANT_CONSTANTS, NORM=norm, HAS_W=True, HAS_B=norm == 2, HAS_MOD_SCALE=True, HAS_MOD_SHIFT=True,
-             HAS_CLAMP=False, BLOCK_K=4096, SINGLE_TILE=True, HAS_PREFIX=prefix))
-    for prefix in (False, True) for norm in ((0, 2) if not prefix else (2,))
-})
-
 
 _GEMM_ARGS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
               "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "i32",
