@@ -9,7 +9,9 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
 * ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"``, backend ``aten``
   (per-token activation quantization + ``torch._scaled_mm`` row-wise, ``fast_accum="auto"``:
   fast accumulation up to K=8192, promoted above); ``omni-fp8-precise`` / ``omni-fp8-fast``
-  the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM.
+  the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM;
+  ``omni-fp8-triton-quant`` ``omni-fp8`` with the activation quantized by omni's Triton kernel
+  (eager ``auto`` takes the CUDA one at these row counts).
 * ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
   ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
 * ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}``: weight-only layers (``triton_gemv``:
@@ -110,7 +112,7 @@ DEFAULT_SHAPE_GROUPS = ("flux", "wan")
 # the time goes and which backend "auto" should prefer.
 ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
 VARIANTS = ESSENTIAL + (
-    "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton",
+    "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton", "omni-fp8-triton-quant",
     "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
     "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv",
 )
@@ -225,6 +227,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
             return omni("fp8", "aten", fast_accum=True), True
         if variant == "omni-fp8-triton":
             return omni("fp8", "triton"), True
+        if variant == "omni-fp8-triton-quant":
+            return omni("fp8", "aten", activation_backend="triton"), True
         if variant == "omni-int8":
             return omni("int8", "triton"), True
         if variant == "omni-int8-aten":

@@ -348,7 +348,7 @@ def quantize_per_token(
     lead, k = x.shape[:-1], x.shape[-1]
     if prefix is not None:
         lead = (*x.shape[:-2], prefix.shape[-2] + x.shape[-2])
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (a reshape is a dispatched call even when a no-op)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     mod_scale = _as_table(mod_scale, k)
@@ -396,4 +396,6 @@ def quantize_per_token(
             x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
             float(clamp) if clamp is not None else 0.0, qdtype,
         )
+    if x.dim() == 2 and prefix is None:  # the ops return [M, K] and [M, 1] already
+        return q, scale
     return q.reshape(*lead, k), scale.reshape(*lead, 1)

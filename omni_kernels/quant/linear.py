@@ -290,6 +290,15 @@ def _choose(kind, backend, reason_of, device, m, what, allowed=LINEAR_BACKENDS):
 FAST_ACCUM_MAX_K = 8192
 
 
+def float32_shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t.reshape(shape).float()``, or ``t`` itself in eager mode when it already is that: each
+    no-op reshape or cast is still a dispatched torch call, and an eager W8A8 layer's host time
+    is what bounds it at Flux's shapes on a slow host (bench/linear.py's host us column)."""
+    if t.dtype == torch.float32 and t.shape == shape and not torch.compiler.is_compiling():
+        return t
+    return t.reshape(shape).float()
+
+
 def resolve_fast_accum(fast_accum: bool | str, k: int) -> bool:
     """``True``/``False`` as given; ``"auto"``: fast accumulation only for ``K <= FAST_ACCUM_MAX_K``."""
     if fast_accum == "auto":
@@ -340,18 +349,18 @@ def scaled_mm(
         return None
 
     chosen = _choose(kind, backend, reason_of, x_q.device, m, "scaled_mm")
-    x_scale = x_scale.reshape(m, 1).float()
-    w_scale = w_scale.reshape(n).float()
+    x_scale = float32_shaped(x_scale, (m, 1))
+    if kind == "fp8" and chosen == "aten":
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=float32_shaped(w_scale, (1, n)),
+            bias=bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
+            out_dtype=out_dtype, use_fast_accum=fast_accum,
+        )
+    w_scale = float32_shaped(w_scale, (n,))
     if chosen == "torch":
         return scaled_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     if chosen == "triton":
         return torch.ops.omni_kernels.scaled_mm_triton(x_q, w_q, x_scale, w_scale, bias, out_dtype, fast_accum)
-    if kind == "fp8":
-        return torch._scaled_mm(
-            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, n),
-            bias=bias.to(out_dtype) if bias is not None else None,
-            out_dtype=out_dtype, use_fast_accum=fast_accum,
-        )
     acc = torch._int_mm(x_q, w_q.t())
     out = acc.to(torch.float32) * x_scale * w_scale
     if bias is not None:
@@ -395,13 +404,13 @@ def weight_only_mm(
         return None
 
     chosen = _choose(kind, backend, reason_of, x.device, m, "weight_only_mm", WEIGHT_ONLY_BACKENDS)
-    w_scale = w_scale.reshape(n).float()
+    w_scale = float32_shaped(w_scale, (n,))
     if chosen == "torch":
         return weight_only_linear_reference(x, w_q, w_scale, bias)
     if chosen == "triton":
         return torch.ops.omni_kernels.scaled_mm_triton(x, w_q, None, w_scale, bias, x.dtype)
     if chosen == "triton_gemv":
-        bias = bias.reshape(n) if bias is not None else None
+        bias = bias if bias is None or bias.dim() == 1 else bias.reshape(n)
         return torch.ops.omni_kernels.weight_only_gemv_triton(x, w_q, w_scale, bias)
     # One pass dequantizes into x's dtype (the scale rounded to it: 2**-9 relative in bfloat16).
     weight = w_q.to(x.dtype) * w_scale.to(x.dtype)[:, None]
@@ -514,7 +523,7 @@ def quantized_linear(
         if input_activation is None or activation_from != prefix.shape[-1]:
             x, prefix = torch.cat([prefix, x], -1), None
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (a reshape is a dispatched call even when a no-op)
     if input_activation is not None:
         if method.endswith("_weight_only"):
             raise ValueError(f"input_activation needs a W8A8 method; got method {method!r}")
@@ -533,7 +542,7 @@ def quantized_linear(
             x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend, k, split_k)
         )
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
-    return out.reshape(*lead, w_q.shape[0])
+    return out if x.dim() == 2 else out.reshape(*lead, w_q.shape[0])
 
 
 # --------------------------------------------------------------------------- module

@@ -165,6 +165,38 @@ def test_triton_gemm_writes_every_element_and_no_more(inputs):
     assert torch.equal(out, out2)
 
 
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops dispatched inside the ``with`` block, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_fp8_gemm_dispatches_no_no_op_reshape_or_cast(inputs):
+    """An eager 2-D W8A8 FP8 call on scales already float32 [M, 1] / [N] and a bias in the output
+    dtype dispatches only the transpose, the scale's [1, N] view and the GEMM (every no-op
+    reshape or cast is a dispatched call: host time an eager layer pays per call); a 2-D
+    quantization returns the op's outputs as they are."""
+    x = inputs.activations((8, 64), torch.bfloat16)
+    w_q, w_scale = quantize_weight(inputs.activations((32, 64), torch.float32), "fp8")
+    bias = inputs.activations((32,), torch.bfloat16, outlier_channels=0)
+    x_q, x_scale = quantize_per_token(x, "fp8", backend="torch")
+    assert x_scale.shape == (8, 1) and x_scale.dtype == torch.float32
+    with torch.no_grad(), _RecordOps() as record:
+        out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16, backend="aten")
+    assert record.ops == ["aten.t.default", "aten.view.default", "aten._scaled_mm.default"]
+    torch.testing.assert_close(out, scaled_mm(x_q, x_scale.reshape(8), w_q, w_scale.reshape(32, 1), bias.float(),
+                                              torch.bfloat16, backend="aten"), rtol=0, atol=0)
+    with torch.no_grad(), _RecordOps() as record:
+        quantize_per_token(x, "fp8", backend="torch")
+    assert not {"aten.view.default", "aten._unsafe_view.default"} & set(record.ops[-3:]), record.ops
+
+
 def test_gemm_argument_checks():
     x_q = torch.zeros(4, 32, dtype=torch.int8)
     w_q = torch.zeros(16, 32, dtype=torch.int8)
