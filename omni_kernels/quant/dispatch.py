@@ -34,14 +34,19 @@ QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
 # CUDA 21.5 / 60.0 us vs Triton 51.6 / 65.7 us at Flux's 4608 rows (K 3072 / 12288), but
 # Triton 312 / 716 us vs CUDA 355 / 939 us at Wan 720p's 75600 rows (K 5120 / 13824): CUDA
 # first for short inputs, Triton first from _TRITON_FIRST_ROWS rows (the crossover between the
-# two measured sizes is not measured).
+# two measured sizes is not measured) or _TRITON_FIRST_ELEMENTS values: at 4608 x 12288 (Flux's
+# MLP down input) the Triton kernel took 47.4 us of GPU time against CUDA's 60.3, and an eager
+# FP8 layer on it ran 1.54x bf16 with Triton against 1.37x with CUDA (host time hidden behind
+# the long GEMM; bench/results/linear-flux-quant-backends_nvidia-h200_20261130.md).
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _AUTO_ORDER_MANY_ROWS = ("triton", "cuda", "torch")
 _TRITON_FIRST_ROWS = 32768
+_TRITON_FIRST_ELEMENTS = 1 << 25
 
 
-def auto_order(rows: int) -> tuple[str, ...]:
-    """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens.
+def auto_order(rows: int, k: int = 0) -> tuple[str, ...]:
+    """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens of ``k``
+    values.
 
     Under ``torch.compile`` Triton first at every size: the Triton op is a ``triton_op`` that
     Inductor launches from its generated code, and its kernel measured faster than the CUDA one
@@ -49,8 +54,9 @@ def auto_order(rows: int) -> tuple[str, ...]:
     40.3 with the LayerNorm + adaLN at 3072: bench/results/quant_per_token_nvidia-h200_20261130-rows.md).
     In eager mode short inputs keep CUDA first: there the Triton op's Python dispatch costs
     more than its kernel (33.1 us a call through ``torch.ops`` against 18.7 us for the kernel,
-    same run), the C++ op's does not."""
-    if rows >= _TRITON_FIRST_ROWS or torch.compiler.is_compiling():
+    same run), the C++ op's does not; large inputs take Triton first in eager mode too (its
+    kernel's lead outweighs the dispatch, which the GPU work of such a layer hides)."""
+    if rows >= _TRITON_FIRST_ROWS or rows * k >= _TRITON_FIRST_ELEMENTS or torch.compiler.is_compiling():
         return _AUTO_ORDER_MANY_ROWS
     return _AUTO_ORDER
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
@@ -357,7 +363,7 @@ def quantize_per_token(
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     operands = dict(norm_weight=norm_weight, norm_bias=norm_bias, mod_scale=mod_scale, mod_shift=mod_shift)
 
-    order = auto_order(x2.shape[0])
+    order = auto_order(x2.shape[0], k)
     backend = choose_backend(
         "quantize_per_token", backend, order,
         lambda name: _ineligible_reason(name, x2, qdtype, operands, prefix is not None),

@@ -336,11 +336,14 @@ def test_auto_on_cpu():
 
 
 def test_auto_order_follows_the_measured_crossover():
-    """CUDA first at Flux's 4608 tokens, Triton first at Wan 720p's 75600 (H200 measurements)."""
+    """CUDA first at Flux's 4608 tokens of 3072, Triton first at Wan 720p's 75600 and for Flux's
+    4608 x 12288 MLP down input (H200 measurements)."""
     from omni_kernels.quant.dispatch import auto_order
 
     assert auto_order(4608) == ("cuda", "triton", "torch")
-    assert auto_order(75600) == ("triton", "cuda", "torch")
+    assert auto_order(4608, 3072) == ("cuda", "triton", "torch")
+    assert auto_order(4608, 12288) == ("triton", "cuda", "torch")
+    assert auto_order(75600, 5120) == ("triton", "cuda", "torch")
     assert supported_backends(torch.randn(2, 16)).keys() == {"cuda", "triton", "torch"}
 
 
