@@ -66,13 +66,3 @@ def _current_dispatch_mode():
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
-
-
-def launch_eagerly(launch, *args, **kwargs):
-    """Call a launcher whose kernels go through ``torch.library.wrap_triton`` as the op would in
-    eager mode: with wrap_triton's higher-order-op dispatch off (it exists for tracing, and in
-    eager mode costs far more than the launch itself), so the kernel launches straight away."""
-    from torch._library.triton import set_wrap_triton_enabled
-
-    with set_wrap_triton_enabled(False):
-        return launch(*args, **kwargs)

@@ -18,7 +18,7 @@ import torch
 
 from omni_kernels._backend_choice import choose_backend
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
-from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels._triton import eager_launch_allowed, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -139,7 +139,7 @@ def _launch_triton(*args, **kwargs):
     """The Triton launcher itself, for eager calls (see ``eager_launch_allowed``)."""
     from omni_kernels.quant.triton_kernel import launch_quantize_per_token_triton
 
-    return launch_eagerly(launch_quantize_per_token_triton, *args, **kwargs)
+    return launch_quantize_per_token_triton(*args, **kwargs)
 
 
 def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype):
