@@ -18,7 +18,7 @@ import torch
 
 from omni_kernels._backend_choice import choose_backend
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
-from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -133,6 +133,13 @@ def _quantize_per_token_triton_op(
     return launch_quantize_per_token_triton(
         x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype
     )
+
+
+def _launch_triton(*args, **kwargs):
+    """The Triton launcher itself, for eager calls (see ``eager_launch_allowed``)."""
+    from omni_kernels.quant.triton_kernel import launch_quantize_per_token_triton
+
+    return launch_eagerly(launch_quantize_per_token_triton, *args, **kwargs)
 
 
 def _fake_quantize(x, norm_weight, norm_bias, mod_scale, mod_shift, norm, eps, clamp, out_dtype):
@@ -383,25 +390,26 @@ def quantize_per_token(
             prefix2 = prefix.reshape(-1, k)
             if prefix2.stride(-1) != 1:
                 prefix2 = prefix2.contiguous()
-            q, scale = torch.ops.omni_kernels.quantize_per_token_concat_triton(
-                prefix2, x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
-                float(clamp) if clamp is not None else 0.0, qdtype, batch,
-            )
+            args = (x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
+                    float(clamp) if clamp is not None else 0.0, qdtype)
+            if eager_launch_allowed(prefix2, x2, norm_weight, norm_bias, mod_scale, mod_shift):
+                q, scale = _launch_triton(*args, prefix=prefix2, batch=batch)
+            else:
+                q, scale = torch.ops.omni_kernels.quantize_per_token_concat_triton(prefix2, *args, batch)
     elif backend == "torch":
         q, scale = quantize_per_token_reference(
             x2, qdtype, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
             mod_scale=mod_scale, mod_shift=mod_shift, clamp=clamp,
         )
     else:
-        op = (
-            torch.ops.omni_kernels.quantize_per_token
-            if backend == "cuda"
-            else torch.ops.omni_kernels.quantize_per_token_triton
-        )
-        q, scale = op(
-            x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
-            float(clamp) if clamp is not None else 0.0, qdtype,
-        )
+        args = (x2, norm_weight, norm_bias, mod_scale, mod_shift, _NORM_CODES[norm], float(eps),
+                float(clamp) if clamp is not None else 0.0, qdtype)
+        if backend == "cuda":
+            q, scale = torch.ops.omni_kernels.quantize_per_token(*args)
+        elif eager_launch_allowed(x2, norm_weight, norm_bias, mod_scale, mod_shift):
+            q, scale = _launch_triton(*args)
+        else:
+            q, scale = torch.ops.omni_kernels.quantize_per_token_triton(*args)
     if x.dim() == 2 and prefix is None:  # the ops return [M, K] and [M, 1] already
         return q, scale
     return q.reshape(*lead, k), scale.reshape(*lead, 1)

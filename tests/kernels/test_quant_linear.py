@@ -817,3 +817,50 @@ def test_gpu_forward_concat_at_flux_single_block(inputs, method):
     # One scale per 15360-wide row whose outlier channels sit in the head: INT8 loses more of
     # the GELU columns than on a plain layer input (H200: 1.009e-01 on these inputs).
     assert err <= {"fp8": GPU_LAYER_TOLERANCE["fp8"], "int8": 0.12}[method]
+
+
+def test_eager_launch_allowed_only_for_plain_eager_tensors():
+    """Eager calls of omni's Triton quantization/GEMV run their launcher directly; anything that
+    traces (a dispatch mode such as make_fx's, fake tensors, torch.compile) goes through the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from omni_kernels._triton import eager_launch_allowed
+
+    x = torch.randn(4, 8)
+    assert eager_launch_allowed(x, None, nn.Parameter(torch.randn(8), requires_grad=False))
+    with _RecordOps():
+        assert not eager_launch_allowed(x)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert not eager_launch_allowed(fake)
+    compiled = torch.compile(lambda t: t + int(eager_launch_allowed(t)), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), x)  # False while torch.compile traces
+
+
+@pytest.mark.skipif(not (triton_interpreter_enabled() or torch.cuda.is_available()),
+                    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+def test_eager_direct_launch_equals_the_op(inputs):
+    """The launcher called directly and the op give the same bits (per-token, GELU-folded with a
+    prefix, and the weight-only GEMV)."""
+    from omni_kernels.quant import quantize_activated_per_token
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    x = inputs.activations((9, 64), dtype, device)
+    head = inputs.activations((9, 24), dtype, device)
+    direct = quantize_per_token(x, "int8", backend="triton")
+    with _RecordOps() as record:  # a dispatch mode: the op path
+        via_op = quantize_per_token(x, "int8", backend="triton")
+    assert "omni_kernels.quantize_per_token_triton.default" in record.ops
+    assert all(torch.equal(a, b) for a, b in zip(direct, via_op, strict=True))
+    direct = quantize_activated_per_token(x, "int8", activation="gelu_tanh", prefix=head, backend="triton")
+    with _RecordOps() as record:
+        via_op = quantize_activated_per_token(x, "int8", activation="gelu_tanh", prefix=head, backend="triton")
+    assert "omni_kernels.quantize_activated_concat_triton.default" in record.ops
+    assert all(torch.equal(a, b) for a, b in zip(direct, via_op, strict=True))
+    w_q, w_scale = quantize_weight(inputs.activations((40, 64), torch.float32, device), "int8")
+    direct = weight_only_mm(x[:3], w_q, w_scale, None, backend="triton_gemv")
+    with _RecordOps() as record:
+        via_op = weight_only_mm(x[:3], w_q, w_scale, None, backend="triton_gemv")
+    assert "omni_kernels.weight_only_gemv_triton.default" in record.ops
+    assert torch.equal(direct, via_op)
