@@ -864,3 +864,24 @@ def test_eager_direct_launch_equals_the_op(inputs):
         via_op = weight_only_mm(x[:3], w_q, w_scale, None, backend="triton_gemv")
     assert "omni_kernels.weight_only_gemv_triton.default" in record.ops
     assert torch.equal(direct, via_op)
+
+
+def test_eager_direct_launch_turns_wrap_triton_dispatch_off(monkeypatch):
+    """Through wrap_triton's higher-order op an eager launch cost ~0.5 ms on the H200's host
+    (a7b2ef0); the direct path must launch as the triton_op's own eager body does, with it off."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    import omni_kernels.quant.triton_kernel as triton_kernel
+
+    seen = []
+
+    def launcher(*args, **kwargs):
+        seen.append(is_wrap_triton_enabled())
+        x = args[0]
+        return torch.zeros(x.shape, dtype=torch.int8), torch.ones(x.shape[0], 1)
+
+    monkeypatch.setattr(triton_kernel, "launch_quantize_per_token_triton", launcher)
+    monkeypatch.setattr("omni_kernels.quant.dispatch.triton_ineligible_reason", lambda x2, qdtype: None)
+    assert is_wrap_triton_enabled()
+    quantize_per_token(torch.randn(3, 16), "int8", backend="triton")
+    assert seen == [False] and is_wrap_triton_enabled()
