@@ -11,7 +11,8 @@ only the 8-bit input and its scales are written. Backends:
   its generated code (no Python dispatch per call). With ``prefix=`` (Flux's
   ``proj_out`` input ``cat(attention output, GELU(mlp))`` read without its ``cat``),
   the op ``torch.ops.omni_kernels.quantize_activated_concat_triton``, the same kernel
-  reading the prefix through its own pointer.
+  reading the prefix through its own pointer. Eager calls on plain tensors run the op's body
+  (the launcher) without the custom-op dispatch (:func:`omni_kernels._triton.eager_launch_allowed`).
 * ``"cuda"``: omni's CUDA C++ per-token kernel (``csrc/quant``) in its GELU instantiation,
   through the op ``torch.ops.omni_kernels.quantize_activated``: the row, ``cat(prefix, x)``
   with or without a prefix, is read once into registers in exact 16-byte vectors (no padding

@@ -6,7 +6,9 @@ Each compiled backend is a ``torch.library`` op returning ``(q, scale)``:
   its fake implementation is registered here, its schema in ``csrc/torch_bindings.cpp``.
 * ``torch.ops.omni_kernels.quantize_per_token_triton`` — the Triton kernel.
 
-so ``torch.compile(fullgraph=True)`` traces through :func:`quantize_per_token`.
+so ``torch.compile(fullgraph=True)`` traces through :func:`quantize_per_token`. Eager calls on
+plain tensors run the Triton op's body (its launcher) without the custom-op dispatch
+(:func:`omni_kernels._triton.eager_launch_allowed`).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ dequantization pass). On CPU: aten, then torch (the Triton interpreter is for
 tests; ask for it with ``backend="triton"`` or ``"triton_gemv"``).
 
 Every Triton GEMM launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
-and every GEMV the ``triton_op`` ``torch.ops.omni_kernels.weight_only_gemv_triton``
+and every traced GEMV the ``triton_op`` ``torch.ops.omni_kernels.weight_only_gemv_triton``
 (both with fake implementations), and the aten ops have their own, so
-``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`. Activation
+``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`; eager GEMV calls on plain
+tensors run the op's body (the launcher) without its dispatch
+(:func:`omni_kernels._triton.eager_launch_allowed`). Activation
 quantization with ``activation_backend="auto"`` is the custom CUDA/Triton op in
 eager mode and plain torch ops under ``torch.compile``, so that Inductor fuses it
 with whatever produces the layer's input (:func:`resolve_activation_backend`);
