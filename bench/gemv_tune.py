@@ -126,6 +126,10 @@ REFINE_TOP = 5
 REFINE_CAP = 20
 # Outputs this close (relative L2) to the default's are the same result.
 SAME_REL_L2 = 1e-5
+# 16-bit outputs this close are the same sums in another order: rounding apart by one step
+# everywhere is ~2e-3, and a few steps in values near zero (cancellation) far less (the tl.dot
+# settings measured 7e-5 with 5 steps on the H200).
+SUMMATION_ORDER_REL_L2 = 2.0**-10
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,8 @@ def compare_with_default(out: torch.Tensor, default: torch.Tensor) -> dict:
         status = "ok"
     elif steps is not None and steps <= 1 and torch.isfinite(out).all():
         status = "ok (one rounding step)"
+    elif steps is not None and rel <= SUMMATION_ORDER_REL_L2 and torch.isfinite(out).all():
+        status = f"ok (summation order: rel L2 {rel:.1e}, at most {steps} rounding steps)"
     else:
         status = f"differs from the default: rel L2 {rel:.2e}" + (f", {steps} rounding steps" if steps else "")
     return dict(rel_l2_vs_default=rel, max_steps_vs_default=steps, status=status)

@@ -134,6 +134,14 @@ def test_compare_with_default(tune):
     check = tune.compare_with_default(stepped, default)
     assert check["max_steps_vs_default"] == 1 and check["rel_l2_vs_default"] > tune.SAME_REL_L2
     assert check["status"] == "ok (one rounding step)"
+    # A few values near zero several steps apart (a sum with cancellation, in another order).
+    near_zero = default.clone()
+    near_zero[0, :3] = torch.tensor([0.05, -0.06, 0.04]).to(torch.bfloat16)
+    moved = near_zero.clone()
+    for _ in range(5):
+        moved[0, :3] = torch.nextafter(moved[0, :3], torch.full_like(moved[0, :3], float("inf")))
+    check = tune.compare_with_default(moved, near_zero)
+    assert check["max_steps_vs_default"] == 5 and check["status"].startswith("ok (summation order")
     wrong = default.clone()
     wrong[:, :8] *= 2  # one K chunk counted twice, say
     assert tune.compare_with_default(wrong, default)["status"].startswith("differs")
