@@ -41,6 +41,9 @@ Variants (each applied to the same model and undone before the next):
     (the (d) of earlier runs); (d3) vs (d) is the gain of the folded GELU.
 (d4) ``omni_fp8_cuda_graphs`` (only when asked for with ``--variants``): (d) with the compiled
     blocks captured as CUDA graphs (``cuda_graphs=True``, compile mode ``reduce-overhead``).
+(d8) ``omni_fp8_int8_modulation`` (only when asked for with ``--variants``): (d) with the
+    adaLN modulation linears the model spec names (``ModelSpec.modulation_linears``, kept bf16
+    by the adapter) as INT8 weight-only layers (omni's Triton GEMV at one row a sample).
 (d9) ``omni_fp8_int8_modulation_cuda_graphs`` (only when asked for with ``--variants``): (d8)
     with CUDA graphs as in (d4): the GEMV launches' host cost, which (d8) pays in eager
     dispatch, is replayed from the graph.
