@@ -11,7 +11,7 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
   fast accumulation up to K=8192, promoted above); ``omni-fp8-precise`` / ``omni-fp8-fast``
   the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM;
   ``omni-fp8-triton-quant`` ``omni-fp8`` with the activation quantized by omni's Triton kernel
-  (eager ``auto`` takes the CUDA one at these row counts).
+  (eager ``auto`` takes the CUDA one for Flux's K=3072 inputs, the Triton one for K=12288).
 * ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
   ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
 * ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}``: weight-only layers (``triton_gemv``:
