@@ -9,8 +9,9 @@ times, on the same inputs in one process, each setting the launcher offers:
 
 * ``tile``: the row in one register tile (the default for rows up to ``MAX_TILE``), with the
   warp counts 4, 8 (default), 16 and 32, keeping the activated row (``keep``) or only the
-  16-bit input and applying the GELU again for the store (``recompute``: fewer registers a
-  thread, so more rows in flight);
+  16-bit input and applying the GELU again for the store (``recompute``: meant to use fewer
+  registers a thread, so more rows in flight; with Triton 3.6 it compiles to the default's code,
+  the two GELUs merged);
 * ``chunked-N``: N-wide chunks read twice (the second read from L2), 4 or 8 warps;
 * for the prefix shape, ``cat+kernel``: what the fold cost before the prefix (a ``torch.cat``
   then the kernel on the cat);
