@@ -1,5 +1,7 @@
 // Host side of the per-token quantization ops (plain/norm-fused, and GELU-fused): argument
-// checks and launch.
+// checks and launch. Rows without a norm or modulation (plain or GELU-fused) that fit in 48 KB
+// go to the shared-memory-staged kernel (quant_staged_kernel.cuh); the others to the register
+// kernel (quant_kernel.cuh).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -60,6 +62,20 @@ std::pair<int, int> launch_geometry(int row_vectors) {
   const int threads =
       std::max(OMNI_WARP_SIZE, (needed + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE * OMNI_WARP_SIZE);
   return {vpt, threads};
+}
+
+// Threads a block for the staged kernel: ~4 vectors a thread (a row's copies in flight without a
+// long per-thread loop), whole warps, at most kStagedMaxThreads. Small blocks let many rows share
+// an SM: the memory-level parallelism that streaming a row needs.
+int staged_threads(int row_vectors) {
+  const int wanted = (row_vectors + 3) / 4;
+  const int warps = (wanted + OMNI_WARP_SIZE - 1) / OMNI_WARP_SIZE;
+  return std::min(omni::quant::kStagedMaxThreads, std::max(1, warps) * OMNI_WARP_SIZE);
+}
+
+// Whether a row of `cols` 16-bit values fits the staged kernel's shared memory.
+bool fits_staged(int64_t cols) {
+  return cols * 2 <= omni::quant::kStagedMaxRowBytes;
 }
 
 // A [rows, K] half-precision operand the kernel reads with 16-byte vectors.
@@ -125,13 +141,26 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
   params.eps = static_cast<float>(eps);
   params.clamp = static_cast<float>(clamp);
 
-  const auto [vpt, threads] = launch_geometry(params.row_vectors);
-
   const auto norm_kind = static_cast<omni::quant::NormKind>(norm);
   const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
                                                           : omni::quant::OutKind::kFp8E4m3;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool plain = norm == 0 && params.norm_weight == nullptr && params.norm_bias == nullptr &&
+                     params.mod_scale == nullptr && params.mod_shift == nullptr;
+  if (plain && fits_staged(cols)) {
+    params.gelu_from = params.cols;  // unused without the GELU
+    const int threads = staged_threads(params.row_vectors);
+    if (dtype == torch::kBFloat16) {
+      omni::quant::launch_quantize_staged<__nv_bfloat16>(params, rows, out_kind, false, threads,
+                                                         stream);
+    } else {
+      omni::quant::launch_quantize_staged<__half>(params, rows, out_kind, false, threads, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {q, scale};
+  }
+  const auto [vpt, threads] = launch_geometry(params.row_vectors);
   if (dtype == torch::kBFloat16) {
     omni::quant::launch_quantize_per_token<__nv_bfloat16>(params, rows, norm_kind, out_kind,
                                                           vpt, threads, stream);
@@ -190,12 +219,22 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
   params.row_vectors = static_cast<int>(width / kVectorElements);
   params.cols = static_cast<int>(width);
   params.clamp = static_cast<float>(clamp);
-  const auto [vpt, threads] = launch_geometry(params.row_vectors);
-
   const auto out_kind = out_dtype == at::ScalarType::Char ? omni::quant::OutKind::kInt8
                                                           : omni::quant::OutKind::kFp8E4m3;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (fits_staged(width)) {
+    const int threads = staged_threads(params.row_vectors);
+    if (dtype == torch::kBFloat16) {
+      omni::quant::launch_quantize_staged<__nv_bfloat16>(params, rows, out_kind, true, threads,
+                                                         stream);
+    } else {
+      omni::quant::launch_quantize_staged<__half>(params, rows, out_kind, true, threads, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {q, scale};
+  }
+  const auto [vpt, threads] = launch_geometry(params.row_vectors);
   if (dtype == torch::kBFloat16) {
     omni::quant::launch_quantize_activated<__nv_bfloat16>(params, rows, out_kind, vpt, threads,
                                                           stream);

@@ -18,6 +18,12 @@ constexpr int64_t kMaxRowElements =
 // (omni_kernels/quant/reference.py: MIN_ABSMAX).
 constexpr float kMinAbsmax = 1e-12f;
 
+// The shared-memory-staged kernel (quant_staged_kernel.cuh, no norm): at most this many threads a
+// block, and rows of at most kStagedMaxRowBytes 16-bit values' bytes (the default 48 KB of dynamic
+// shared memory a block, no opt-in attribute needed). Longer rows take the register kernel.
+constexpr int kStagedMaxThreads = 256;
+constexpr int64_t kStagedMaxRowBytes = 48 * 1024;
+
 enum class NormKind : int { kNone = 0, kRms = 1, kLayer = 2 };
 enum class OutKind : int { kFp8E4m3 = 0, kInt8 = 1 };
 
@@ -61,6 +67,14 @@ void launch_quantize_per_token(const Params& params, int64_t rows, NormKind norm
 template <typename T>
 void launch_quantize_activated(const Params& params, int64_t rows, OutKind out,
                                int vectors_per_thread, int threads, cudaStream_t stream);
+
+// Per-token quantization without a norm or modulation (plain, or with the GELU on columns >=
+// params.gelu_from when `gelu`), the row staged in shared memory: one block of `threads`
+// threads (a multiple of the warp size, at most kStagedMaxThreads) per row. Defined in
+// quant_staged_kernel.cuh, instantiated in quant_staged_{fp16,bf16}.cu.
+template <typename T>
+void launch_quantize_staged(const Params& params, int64_t rows, OutKind out, bool gelu,
+                            int threads, cudaStream_t stream);
 
 }  // namespace quant
 }  // namespace omni

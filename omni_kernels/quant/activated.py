@@ -51,10 +51,10 @@ from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_
 logger = logging.getLogger(__name__)
 
 ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# Triton first: on the H200 its kernel was faster than the CUDA one at Flux's widths (GELU on
-# 4608 x (3072 + 12288): 105 vs 132 us, bench/results/quant_activation_tune-gelu-division_*),
-# and under torch.compile Inductor launches it from its own code (the CUDA op is an opaque call).
-_AUTO_ORDER = ("triton", "cuda", "torch")
+# CUDA first: its shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh) keeps many
+# rows in flight a SM where the Triton kernel's register tile holds two (GELU on Flux's 4608 x
+# (3072 + 12288): Triton 105 us, the CUDA register kernel 132, bench/results/quant_activation_tune-gelu-division_*).
+_AUTO_ORDER = ("cuda", "triton", "torch")
 _logged_auto_choices: set[tuple] = set()
 
 

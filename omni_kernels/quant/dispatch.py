@@ -32,32 +32,31 @@ from omni_kernels.quant.reference import (
 logger = logging.getLogger(__name__)
 
 QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# Measured on an H200 (bench/results/linear_nvidia-h200_20261129.md, bf16 -> fp8, no norm):
-# CUDA 21.5 / 60.0 us vs Triton 51.6 / 65.7 us at Flux's 4608 rows (K 3072 / 12288), but
-# Triton 312 / 716 us vs CUDA 355 / 939 us at Wan 720p's 75600 rows (K 5120 / 13824): CUDA
-# first for short inputs, Triton first from _TRITON_FIRST_ROWS rows (the crossover between the
-# two measured sizes is not measured) or _TRITON_FIRST_ELEMENTS values: at 4608 x 12288 (Flux's
-# MLP down input) the Triton kernel took 47.4 us of GPU time against CUDA's 60.3, and an eager
-# FP8 layer on it ran 1.54x bf16 with Triton against 1.37x with CUDA (host time hidden behind
-# the long GEMM; bench/results/linear-flux-quant-backends_nvidia-h200_20261130.md).
+# Norm- or modulation-fused rows (the CUDA op's register kernel), measured on an H200
+# (bench/results/linear_nvidia-h200_20261129.md, bench/results/quant_per_token_nvidia-h200_20261130-rows.md):
+# CUDA first for short inputs in eager mode (there the Triton op's Python dispatch costs more
+# than its kernel), Triton from _TRITON_FIRST_ROWS rows (Wan 720p's 75600: 312 / 716 us vs
+# CUDA's 355 / 939 at K 5120 / 13824; the crossover between the measured sizes is not measured)
+# or _TRITON_FIRST_ELEMENTS values, and under torch.compile (Inductor launches the triton_op
+# from its own code; 29.0 vs 40.3 us with the LayerNorm + adaLN at Flux's 4608 x 3072).
+# Plain rows (no norm, no modulation) of at most CUDA_STAGED_MAX_ROW values go to the CUDA
+# op's shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh): CUDA first everywhere.
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _AUTO_ORDER_MANY_ROWS = ("triton", "cuda", "torch")
 _TRITON_FIRST_ROWS = 32768
 _TRITON_FIRST_ELEMENTS = 1 << 25
+# Widest row (16-bit values) the CUDA op stages in shared memory: 48 KB (csrc/quant/quant_params.h).
+CUDA_STAGED_MAX_ROW = 24576
 
 
-def auto_order(rows: int, k: int = 0) -> tuple[str, ...]:
+def auto_order(rows: int, k: int = 0, fused: bool = True) -> tuple[str, ...]:
     """The backends ``backend="auto"`` tries, in order, for an input of ``rows`` tokens of ``k``
-    values.
+    values; ``fused``: with a norm or an adaLN modulation.
 
-    Under ``torch.compile`` Triton first at every size: the Triton op is a ``triton_op`` that
-    Inductor launches from its generated code, and its kernel measured faster than the CUDA one
-    at Flux's 4608 rows on the H200 (18.7 vs 21.6 us at K 3072, 47.6 vs 60.3 at 12288, 29.0 vs
-    40.3 with the LayerNorm + adaLN at 3072: bench/results/quant_per_token_nvidia-h200_20261130-rows.md).
-    In eager mode short inputs keep CUDA first: there the Triton op's Python dispatch costs
-    more than its kernel (33.1 us a call through ``torch.ops`` against 18.7 us for the kernel,
-    same run), the C++ op's does not; large inputs take Triton first in eager mode too (its
-    kernel's lead outweighs the dispatch, which the GPU work of such a layer hides)."""
+    Plain rows that fit the CUDA op's shared-memory-staged kernel take CUDA first; fused rows
+    take CUDA first only for short inputs in eager mode (see the measurements above)."""
+    if not fused and 0 < k <= CUDA_STAGED_MAX_ROW:
+        return _AUTO_ORDER
     if rows >= _TRITON_FIRST_ROWS or rows * k >= _TRITON_FIRST_ELEMENTS or torch.compiler.is_compiling():
         return _AUTO_ORDER_MANY_ROWS
     return _AUTO_ORDER
@@ -372,7 +371,8 @@ def quantize_per_token(
     norm_bias = norm_bias.contiguous() if norm_bias is not None else None
     operands = dict(norm_weight=norm_weight, norm_bias=norm_bias, mod_scale=mod_scale, mod_shift=mod_shift)
 
-    order = auto_order(x2.shape[0], k)
+    fused = norm is not None or any(t is not None for t in operands.values())
+    order = auto_order(x2.shape[0], k, fused)
     backend = choose_backend(
         "quantize_per_token", backend, order,
         lambda name: _ineligible_reason(name, x2, qdtype, operands, prefix is not None),

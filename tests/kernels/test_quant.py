@@ -336,14 +336,18 @@ def test_auto_on_cpu():
 
 
 def test_auto_order_follows_the_measured_crossover():
-    """CUDA first at Flux's 4608 tokens of 3072, Triton first at Wan 720p's 75600 and for Flux's
-    4608 x 12288 MLP down input (H200 measurements)."""
-    from omni_kernels.quant.dispatch import auto_order
+    """Fused (norm/modulation) rows: CUDA first at Flux's 4608 tokens of 3072, Triton first at
+    Wan 720p's 75600 and for Flux's 4608 x 12288 MLP down input. Plain rows: CUDA (its
+    shared-memory-staged kernel) first up to the widest row it stages (H200 measurements)."""
+    from omni_kernels.quant.dispatch import CUDA_STAGED_MAX_ROW, auto_order
 
     assert auto_order(4608) == ("cuda", "triton", "torch")
     assert auto_order(4608, 3072) == ("cuda", "triton", "torch")
     assert auto_order(4608, 12288) == ("triton", "cuda", "torch")
     assert auto_order(75600, 5120) == ("triton", "cuda", "torch")
+    for rows, k in ((4608, 3072), (4608, 12288), (75600, 13824), (7, CUDA_STAGED_MAX_ROW)):
+        assert auto_order(rows, k, fused=False) == ("cuda", "triton", "torch")
+    assert auto_order(4608, CUDA_STAGED_MAX_ROW + 8, fused=False) == ("triton", "cuda", "torch")
     assert supported_backends(torch.randn(2, 16)).keys() == {"cuda", "triton", "torch"}
 
 
@@ -617,6 +621,8 @@ def test_quantized_linear_with_input_activation(inputs, activation_backend):
     pytest.param(4096, 12288, 0, id="flux-ff-down"),
     pytest.param(333, 13824, 0, id="wan-ffn-M333"),
     pytest.param(17, 20000, 77, id="chunked-odd"),
+    # Past the CUDA op's shared-memory-staged kernel (48 KB of 16-bit values): its register kernel.
+    pytest.param(5, 30000, 11, id="cuda-register-kernel-row"),
 ])
 def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, backend, dtype, qdtype):
     """On the GPU, at Flux/Wan MLP widths: scales within float32 rounding, values within one
@@ -629,6 +635,34 @@ def test_gpu_activated_matches_reference(inputs, rows, k, activation_from, backe
     q, scale = quantize_activated_per_token(x, qdtype, activation_from=activation_from, backend=backend)
     torch.cuda.synchronize()
     q_ref, scale_ref = quantize_activated_reference(x, q.dtype, "gelu_tanh", activation_from)
+    _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
+                              scale_rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clamp", [None, 0.08], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_activated_rows_of_small_gelus_match_reference(inputs, backend, clamp):
+    """Rows whose GELU stays small (every value below ~0.26, or all negative: the GELU's
+    largest magnitude is then on its negative lobe, not at the row's maximum) beside ordinary
+    rows, with a prefix of another scale: the CUDA kernel takes a row's maximum from its
+    largest input only when that GELU exceeds the negative lobe's depth, so these rows take its
+    other path."""
+    if backend == "cuda":
+        _require_cuda_extension()
+    _require_fp8("fp8")
+    rows, k, activation_from = 257, 6144, 1024
+    x = inputs.activations((rows, k), torch.float32, "cuda")
+    x[0::4] = x[0::4].abs().neg() * 0.9          # all negative: |GELU| peaks near x = -0.75
+    x[1::4] = x[1::4] * 0.05                      # small: every GELU below the lobe's depth
+    x[2::4, activation_from:] = x[2::4, activation_from:].clamp(max=0.2)
+    x[2::4, :activation_from] *= 0.01             # prefix columns without the GELU, tiny
+    x = x.to(torch.bfloat16)
+    _poison_cuda_allocator(2 * x.numel())
+    q, scale = quantize_activated_per_token(x, "fp8", activation_from=activation_from, clamp=clamp,
+                                            backend=backend)
+    torch.cuda.synchronize()
+    q_ref, scale_ref = quantize_activated_reference(x, q.dtype, "gelu_tanh", activation_from, clamp=clamp)
     _assert_same_quantization(q, scale, q_ref, scale_ref, max_code_diff=1, max_diff_fraction=0.01,
                               scale_rtol=1e-5)
 
