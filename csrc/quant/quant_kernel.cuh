@@ -59,7 +59,7 @@ struct QuantTraits;
 template <>
 struct QuantTraits<OutKind::kFp8E4m3> {
   static constexpr float kMax = 448.0f;
-  // 8 values, already clamped to [-448, 448], rounded to nearest even (saturating) and packed.
+  // 8 values rounded to nearest even and packed; the conversion saturates past +-448.
   static __device__ __forceinline__ uint2 pack(const float (&v)[kVectorElements]) {
     uint16_t pairs[4];
 #pragma unroll
@@ -86,13 +86,28 @@ struct QuantTraits<OutKind::kInt8> {
   }
 };
 
+// 2^x with the hardware approximation (MUFU.EX2), subnormal results flushed to zero: the
+// non-ftz exp2f adds range fix-ups around it, and a GELU only needs exp2 of its (normal)
+// argument in 1 + exp2(.).
+__device__ __forceinline__ float exp2_ftz(float x) {
+#ifdef USE_ROCM
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // GELU, tanh approximation, in float32: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
-// written as x / (1 + exp(-2u)): one exp2 and one division a value, accurate to a few ulp also
-// where the GELU is tiny (the Triton kernel, omni_kernels/quant/activated_triton_kernel.py,
-// computes the same).
+// written as x / (1 + exp(-2u)) = x / (1 + 2^(x (c + c 0.044715 x^2))), c = -2 sqrt(2/pi) log2(e):
+// two multiplies, one FMA, one exp2 and one division a value, accurate to a few ulp also where
+// the GELU is tiny (the Triton kernel, omni_kernels/quant/activated_triton_kernel.py, computes
+// the same).
 __device__ __forceinline__ float gelu_tanh(float x) {
-  constexpr float kNeg2CLog2e = -2.0f * 0.7978845608028654f * 1.4426950408889634f;
-  return __fdividef(x, 1.0f + exp2f(kNeg2CLog2e * x * (1.0f + 0.044715f * x * x)));
+  constexpr float kC = -2.0f * 0.7978845608028654f * 1.4426950408889634f;
+  constexpr float kCubic = kC * 0.044715f;
+  return __fdividef(x, 1.0f + exp2_ftz(x * fmaf(kCubic, x * x, kC)));
 }
 
 // kGelu: the row is cat(prefix, x) (prefix optional) with the GELU on columns >= p.gelu_from;
