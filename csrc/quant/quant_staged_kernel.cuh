@@ -15,6 +15,11 @@
 // -0.1701 everywhere, so when gelu(max x) >= kGeluMinimumBound, max |gelu(x)| over the row's
 // GELU columns is gelu(max x). Only rows whose GELU never reaches that bound (every value below
 // ~0.26) take a second pass of GELUs for the maximum. The GELU is thus evaluated once a value.
+//
+// H200, bf16 -> FP8 (bench/results/quant_activation_tune-staged_*, quant_per_token-staged_*):
+// GELU-folded 4608 x (3072 + 12288) in 58.8 us (3.6 TB/s; the register kernel took 132, the
+// Triton kernel 105), plain 4608 x 15360 in 56.5 us. Pass 1's packed 16-bit maxima and the
+// ex2.approx.ftz GELU took the GELU-folded kernel from 84.6 us (compute-bound) to that.
 #pragma once
 
 #include <cmath>

@@ -14,19 +14,21 @@ only the 8-bit input and its scales are written. Backends:
   reading the prefix through its own pointer. Eager calls on plain tensors run the op's body
   (the launcher) without the custom-op dispatch (:func:`omni_kernels._triton.eager_launch_allowed`).
 * ``"cuda"``: omni's CUDA C++ per-token kernel (``csrc/quant``) in its GELU instantiation,
-  through the op ``torch.ops.omni_kernels.quantize_activated``: the row, ``cat(prefix, x)``
-  with or without a prefix, is read once into registers in exact 16-byte vectors (no padding
-  of the row to a power of two, which the Triton kernel's register tile needs). Measured
-  slower than the Triton kernel on the H200 all the same (Flux's single blocks' 4608 x
-  (3072 + 12288): 132 vs 105 us; bench/results/quant_activation_tune-gelu-division_*), so
-  ``"auto"`` takes it only where Triton cannot run. Needs the compiled extension,
-  float16/bfloat16 input, widths that are multiples of 8 (at most 32768 in all) and 16-byte
-  aligned rows.
+  through the op ``torch.ops.omni_kernels.quantize_activated``: rows of up to 24576 values
+  (48 KB) are staged in shared memory with asynchronous copies and the GELU is evaluated once
+  a value (the row's maximum comes from its largest input), so many rows are in flight a SM
+  (``csrc/quant/quant_staged_kernel.cuh``); wider rows take a kernel that holds the row in
+  registers. On the H200 (bench/results/quant_activation_tune-staged_*): 58.8 us against the
+  Triton kernel's 105.2 at Flux's single blocks' 4608 x (3072 + 12288), 46.8 vs 69.9 at its
+  4096 x 12288 MLP down input, 333 vs 505 at Wan2.1-14B 480p's 32760 x 13824. ``"auto"``
+  takes it first. Needs the compiled extension, float16/bfloat16 input, widths that are
+  multiples of 8 (at most 32768 in all) and 16-byte aligned rows.
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
   plain torch ops; under ``torch.compile`` Inductor generates its own kernel for them.
 
-``"auto"`` takes the Triton kernel where it runs (a CUDA GPU; with FP8, one with FP8 tensor
-cores), then the CUDA kernel, else the reference; it logs its choice once.
+``"auto"`` takes the CUDA kernel where it runs (the compiled extension, CUDA tensors it can
+read), then the Triton kernel (a CUDA GPU, or the interpreter; with FP8, one with FP8 tensor
+cores), else the reference; it logs its choice once.
 """
 
 from __future__ import annotations
@@ -51,9 +53,8 @@ from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS, quantize_
 logger = logging.getLogger(__name__)
 
 ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# CUDA first: its shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh) keeps many
-# rows in flight a SM where the Triton kernel's register tile holds two (GELU on Flux's 4608 x
-# (3072 + 12288): Triton 105 us, the CUDA register kernel 132, bench/results/quant_activation_tune-gelu-division_*).
+# CUDA first, also under torch.compile (an opaque op there, which costs no GPU time): its staged
+# kernel measured 1.5-1.8x the Triton kernel's speed at Flux's and Wan's widths (numbers above).
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _logged_auto_choices: set[tuple] = set()
 

@@ -41,6 +41,10 @@ QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
 # from its own code; 29.0 vs 40.3 us with the LayerNorm + adaLN at Flux's 4608 x 3072).
 # Plain rows (no norm, no modulation) of at most CUDA_STAGED_MAX_ROW values go to the CUDA
 # op's shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh): CUDA first everywhere.
+# It matched the Triton kernel's launch at Flux's 4608 rows (16.5 / 47.2 / 56.5 us vs 16.3 /
+# 47.7 / 56.7 at K 3072 / 12288 / 15360, bench/results/quant_per_token-staged_*) and beat it at
+# Wan 720p's 75600 x 5120 (272 vs 313 us; 723 vs 715 at 13824, bench run of fb63734), with a
+# C++ op's dispatch in eager mode instead of a Triton launch's Python.
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _AUTO_ORDER_MANY_ROWS = ("triton", "cuda", "torch")
 _TRITON_FIRST_ROWS = 32768
