@@ -8,10 +8,13 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
 * ``bf16``: ``F.linear`` (cuBLAS), the baseline.
 * ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"``, backend ``aten``
   (per-token activation quantization + ``torch._scaled_mm`` row-wise, ``fast_accum="auto"``:
-  fast accumulation up to K=8192, promoted above); ``omni-fp8-precise`` / ``omni-fp8-fast``
+  fast accumulation up to K=8192, promoted above; in eager mode one op,
+  ``omni_kernels::quantized_linear_fp8``, runs both from C++); ``omni-fp8-two-calls`` the
+  same kernels through the two Python calls (``quantize_per_token``, then ``scaled_mm``), as
+  eager layers ran before the one-op path; ``omni-fp8-precise`` / ``omni-fp8-fast``
   the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM;
   ``omni-fp8-triton-quant`` ``omni-fp8`` with the activation quantized by omni's Triton kernel
-  (eager ``auto`` takes the CUDA one for Flux's K=3072 inputs, the Triton one for K=12288).
+  (eager ``auto`` takes the CUDA one for plain rows up to 24576 values).
 * ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
   ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
 * ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}``: weight-only layers (``triton_gemv``:
@@ -113,11 +116,12 @@ DEFAULT_SHAPE_GROUPS = ("flux", "wan")
 ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
 VARIANTS = ESSENTIAL + (
     "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton", "omni-fp8-triton-quant",
+    "omni-fp8-two-calls",
     "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
     "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv",
 )
 # Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
-_WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast"}
+_WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-two-calls"}
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
 ERROR_ROWS = 2048
 DEVICE = "cuda"
@@ -227,6 +231,10 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
             return omni("fp8", "aten", fast_accum=True), True
         if variant == "omni-fp8-triton":
             return omni("fp8", "triton"), True
+        if variant == "omni-fp8-two-calls":
+            layer = omni("fp8", "aten")
+            return (lambda: scaled_mm(*quantize_per_token(x, "fp8"), layer.qweight, layer.weight_scale,
+                                      layer.bias, torch.bfloat16, backend="aten")), True
         if variant == "omni-fp8-triton-quant":
             return omni("fp8", "aten", activation_backend="triton"), True
         if variant == "omni-int8":

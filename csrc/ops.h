@@ -28,6 +28,16 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
     const torch::Tensor& x, const std::optional<torch::Tensor>& prefix, int64_t activation_from,
     double clamp, at::ScalarType out_dtype);
 
+// An FP8 W8A8 linear layer in one call: per-token FP8 quantization of x [M, K] (fp16/bf16,
+// 16-byte aligned rows; clamp <= 0: none) with quantize_per_token's kernel, then
+// torch._scaled_mm with row-wise scales: out [M, N] = (q * scale) @ (w_q * w_scale)^T + bias in
+// x's dtype. w_q [N, K] float8_e4m3fn row-major, w_scale [N] float32, bias [N] in x's dtype or
+// none. For eager calls: one dispatched op where the Python path makes two and their checks.
+torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& w_q,
+                                   const torch::Tensor& w_scale,
+                                   const std::optional<torch::Tensor>& bias, double clamp,
+                                   bool use_fast_accum);
+
 // Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
 // [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or
 // replicated) into out [N, T, lo + h + hi, W] (any strides).

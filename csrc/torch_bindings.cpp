@@ -27,6 +27,12 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "ScalarType out_dtype) -> (Tensor, Tensor)");
   ops.impl("quantize_activated", torch::kCUDA, &quantize_activated);
 
+  // FP8 W8A8 linear: the per-token quantization above, then torch._scaled_mm (row-wise scales).
+  ops.def(
+      "quantized_linear_fp8(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, float clamp, "
+      "bool use_fast_accum) -> Tensor");
+  ops.impl("quantized_linear_fp8", torch::kCUDA, &quantized_linear_fp8);
+
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.
   ops.def("halo_pack(Tensor x, Tensor(a!) send_lo, Tensor(b!) send_hi) -> ()");
   ops.impl("halo_pack", torch::kCUDA, &halo_pack);

@@ -58,7 +58,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels._extension import has_compiled_extension
 from omni_kernels.quant.dispatch import (
+    CUDA_STAGED_MAX_ROW,
     QUANTIZE_BACKENDS,
     fp8_unsupported_reason,
     quantize_per_token,
@@ -543,12 +545,66 @@ def quantized_linear(
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     elif method.endswith("_weight_only"):
         out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
+    elif fused_fp8_eager_eligible(x2, w_q, w_scale, bias, backend, activation_backend):
+        if "fused_fp8" not in _logged_auto_choices:
+            _logged_auto_choices.add("fused_fp8")
+            logger.info("quantized_linear (fp8) in eager mode: one op, omni's CUDA per-token "
+                        "quantization then torch._scaled_mm (omni_kernels::quantized_linear_fp8)")
+        out = torch.ops.omni_kernels.quantized_linear_fp8(
+            x2, w_q, w_scale, bias, float(clamp) if clamp is not None else 0.0, resolve_fast_accum(fast_accum, k)
+        )
     else:
         x_q, x_scale = quantize_per_token(
             x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend, k, split_k)
         )
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     return out if x.dim() == 2 else out.reshape(*lead, w_q.shape[0])
+
+
+def fused_fp8_eager_eligible(
+    x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+    backend: str, activation_backend: str,
+) -> bool:
+    """Whether an eager FP8 W8A8 call on ``x2`` ``[M, K]`` may run as the one op
+    ``torch.ops.omni_kernels.quantized_linear_fp8`` (omni's CUDA per-token quantization, then
+    ``torch._scaled_mm`` with row-wise scales, from C++): exactly what the two-call path's
+    ``auto`` choices run there (the CUDA op's staged kernel, then ``"aten"``), for one
+    dispatched call instead of two with their Python checks. On the H200's host an eager FP8
+    layer at Flux's 4608 x 3072 -> 3072 took 66-86 us of host time against ~80 us of GPU time
+    (bench/results/linear-flux-eager-auto_*): the host bounded it.
+
+    Needs: eager mode without dispatch modes on plain tensors, the compiled extension, CUDA
+    bfloat16 ``x2`` with 16-byte aligned rows, ``K <= CUDA_STAGED_MAX_ROW``, ``K`` and ``N``
+    multiples of 16, a GPU with FP8 tensor cores, a bias in bfloat16 or none, ``backend`` and
+    ``activation_backend`` left to ``auto`` (or naming these same kernels: ``"aten"``; ``"cuda"``
+    or ``"split"``, which is ``auto`` in eager mode)."""
+    if backend not in ("auto", "aten") or activation_backend not in ("auto", "cuda", "split"):
+        return False
+    # First: under torch.compile or a dispatch mode the tensors may be fake (no data_ptr).
+    if not _HAS_FUSED_FP8_OP or not eager_launch_allowed(x2, w_q, w_scale, bias):
+        return False
+    if x2.dtype != torch.bfloat16 or not x2.is_cuda or w_q.dtype != FP8_DTYPE:
+        return False
+    k, n = x2.shape[1], w_q.shape[0]
+    if k > CUDA_STAGED_MAX_ROW or k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
+        return False
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        return False
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return False
+    if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
+        return False
+    return fp8_unsupported_reason(x2.device) is None
+
+
+def _fake_quantized_linear_fp8(x, w_q, w_scale, bias, clamp, use_fast_accum):
+    return x.new_empty((x.shape[0], w_q.shape[0]))
+
+
+# (An extension built before the op existed lacks it: the two-call path then serves every call.)
+_HAS_FUSED_FP8_OP = has_compiled_extension() and hasattr(torch.ops.omni_kernels, "quantized_linear_fp8")
+if _HAS_FUSED_FP8_OP:
+    torch.library.register_fake("omni_kernels::quantized_linear_fp8")(_fake_quantized_linear_fp8)
 
 
 # --------------------------------------------------------------------------- module

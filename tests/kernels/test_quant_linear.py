@@ -885,3 +885,78 @@ def test_eager_direct_launch_turns_wrap_triton_dispatch_off(monkeypatch):
     assert is_wrap_triton_enabled()
     quantize_per_token(torch.randn(3, 16), "int8", backend="triton")
     assert seen == [False] and is_wrap_triton_enabled()
+
+
+# ============================================================================ fused eager FP8 op
+
+
+def test_fused_fp8_eager_path_needs_cuda_bf16_and_auto_backends(inputs):
+    """The one-op eager FP8 path is taken only where the two-call path's auto choices are the
+    same kernels: never for CPU tensors, other backends, or another input dtype."""
+    from omni_kernels.quant.linear import fused_fp8_eager_eligible
+
+    x = inputs.activations((8, 64), torch.bfloat16)
+    w_q, w_scale = quantize_weight(inputs.activations((32, 64), torch.float32), "fp8")
+    assert not fused_fp8_eager_eligible(x, w_q, w_scale, None, "auto", "auto")  # CPU tensors
+    for backend, activation_backend in (("triton", "auto"), ("torch", "auto"), ("auto", "triton"), ("auto", "torch")):
+        assert not fused_fp8_eager_eligible(x, w_q, w_scale, None, backend, activation_backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clamp", [None, 6.0], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("m,k,n", [*FLUX_LINEAR_SHAPES, pytest.param(333, 1040, 48, id="odd-M")])
+def test_gpu_fused_fp8_eager_op_equals_the_two_call_path(inputs, monkeypatch, m, k, n, bias, clamp):
+    """An eager FP8 layer runs as the one op omni_kernels::quantized_linear_fp8, bit-identical to
+    the quantization op followed by torch._scaled_mm (the same kernels from C++)."""
+    _skip_without_fp8("fp8")
+    from omni_kernels.quant import linear as quant_linear
+
+    torch.manual_seed(inputs.seed)
+    layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16), "fp8",
+                                        clamp=clamp)
+    x = inputs.activations((m, k), torch.bfloat16, "cuda")
+    calls = []
+    fused_op = torch.ops.omni_kernels.quantized_linear_fp8
+
+    class _CountingOps:  # torch.ops.omni_kernels with the fused op's calls counted
+        def __getattr__(self, name):
+            if name == "quantized_linear_fp8":
+                return lambda *args: calls.append(name) or fused_op(*args)
+            return getattr(torch.ops.omni_kernels, name)
+
+    with torch.no_grad():
+        with monkeypatch.context() as patch:
+            patch.setattr(quant_linear.torch.ops, "omni_kernels", _CountingOps(), raising=False)
+            fused = layer(x)
+        assert calls == ["quantized_linear_fp8"]
+        with monkeypatch.context() as patch:
+            patch.setattr(quant_linear, "fused_fp8_eager_eligible", lambda *args: False)
+            two_calls = layer(x)
+        torch.cuda.synchronize()
+    assert torch.equal(fused, two_calls)
+    assert not fused_fp8_eager_eligible_for(layer, x.half())  # float16: _scaled_mm writes bf16 only
+
+
+def fused_fp8_eager_eligible_for(layer, x):
+    from omni_kernels.quant.linear import fused_fp8_eager_eligible
+
+    return fused_fp8_eager_eligible(x, layer.qweight, layer.weight_scale, layer.bias, layer.backend,
+                                    layer.activation_backend)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_fp8_op_opcheck_and_bad_arguments(inputs):
+    """torch.library.opcheck on the fused op (schema, fake implementation, dispatch); its
+    argument checks name what is wrong."""
+    _skip_without_fp8("fp8")
+    x = inputs.activations((40, 256), torch.bfloat16, "cuda")
+    w_q, w_scale = quantize_weight(inputs.activations((64, 256), torch.float32, "cuda"), "fp8")
+    bias = inputs.activations((64,), torch.bfloat16, "cuda", outlier_channels=0)
+    torch.library.opcheck(torch.ops.omni_kernels.quantized_linear_fp8.default, (x, w_q, w_scale, bias, 0.0, True))
+    with pytest.raises(RuntimeError, match=r"bias must be \[N=64\] in x's dtype"):
+        torch.ops.omni_kernels.quantized_linear_fp8(x, w_q, w_scale, bias.float(), 0.0, True)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, K=256\]"):
+        torch.ops.omni_kernels.quantized_linear_fp8(x[:, :128], w_q, w_scale, None, 0.0, True)
+    with pytest.raises(RuntimeError, match="w_scale must be a contiguous float32"):
+        torch.ops.omni_kernels.quantized_linear_fp8(x, w_q, w_scale.double(), None, 0.0, True)
