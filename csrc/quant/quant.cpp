@@ -251,26 +251,26 @@ torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& 
                                    bool use_fast_accum) {
   constexpr const char* kOp = "quantized_linear_fp8";
   TORCH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == at::ScalarType::Float8_e4m3fn, kOp,
-              ": w_q must be a 2-D float8_e4m3fn [N, K]; got ", w_q.scalar_type(), " ",
-              w_q.sizes());
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w_q.size(1), kOp, ": x must be [M, K=", w_q.size(1),
-              "]; got ", x.sizes());
-  const int64_t n = w_q.size(0);
+              ": w_q must be a 2-D float8_e4m3fn [N, K]; got a ", w_q.dim(), "-D ",
+              w_q.scalar_type());
+  const int64_t n = w_q.size(0), k = w_q.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, kOp, ": x must be [M, K=", k, "]; got a ",
+              x.dim(), "-D tensor with ", x.size(-1), " columns");
   TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == n &&
                   w_scale.is_contiguous(),
               kOp, ": w_scale must be a contiguous float32 [N=", n, "]; got ",
-              w_scale.scalar_type(), " ", w_scale.sizes());
+              w_scale.scalar_type(), " with ", w_scale.numel(), " values");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == n,
                 kOp, ": bias must be [N=", n, "] in x's dtype ", x.scalar_type(), "; got ",
-                bias->scalar_type(), " ", bias->sizes());
+                bias->scalar_type(), " with ", bias->numel(), " values");
   }
   // quantize_per_token checks x (CUDA, fp16/bf16, 16-byte aligned rows, K a multiple of 8).
-  const auto [q, scale] = quantize_per_token(x, std::nullopt, std::nullopt, std::nullopt,
-                                             std::nullopt, 0, 0.0, clamp,
-                                             at::ScalarType::Float8_e4m3fn);
+  auto quantized = quantize_per_token(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                      0, 0.0, clamp, at::ScalarType::Float8_e4m3fn);
   // Row-wise scales: scale_a [M, 1] (the activation's), scale_b [1, N] (the weight's); the
   // weight's transpose is the column-major operand cuBLASLt's FP8 GEMM needs.
-  return at::_scaled_mm(q, w_q.t(), scale, w_scale.view({1, n}), bias, std::nullopt,
-                        x.scalar_type(), use_fast_accum);
+  return at::_scaled_mm(std::get<0>(quantized), w_q.t(), std::get<1>(quantized),
+                        w_scale.view({1, n}), bias, std::nullopt, x.scalar_type(),
+                        use_fast_accum);
 }

@@ -586,13 +586,14 @@ def fused_fp8_eager_eligible(
     if x2.dtype != torch.bfloat16 or not x2.is_cuda or w_q.dtype != FP8_DTYPE:
         return False
     k, n = x2.shape[1], w_q.shape[0]
-    if k > CUDA_STAGED_MAX_ROW or k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
+    # Anything the op would refuse takes the two-call path, whose checks raise ValueError.
+    if w_q.dim() != 2 or w_q.shape[1] != k or k > CUDA_STAGED_MAX_ROW or k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
         return False
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         return False
-    if bias is not None and bias.dtype != torch.bfloat16:
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
         return False
-    if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
+    if w_scale.dtype != torch.float32 or w_scale.numel() != n or not w_scale.is_contiguous():
         return False
     return fp8_unsupported_reason(x2.device) is None
 
