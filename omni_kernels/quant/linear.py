@@ -589,7 +589,7 @@ def fused_fp8_eager_eligible(
     # Anything the op would refuse takes the two-call path, whose checks raise ValueError.
     if w_q.dim() != 2 or w_q.shape[1] != k or k > CUDA_STAGED_MAX_ROW or k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
         return False
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+    if x2.shape[0] == 0 or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         return False
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
         return False
