@@ -73,6 +73,19 @@ int staged_threads(int row_vectors) {
   return std::min(omni::quant::kStagedMaxThreads, std::max(1, warps) * OMNI_WARP_SIZE);
 }
 
+// Launches the staged kernel for x's dtype (fp16 or bf16), `gelu` selecting its GELU instantiation.
+void launch_staged(at::ScalarType dtype, const omni::quant::Params& params, int64_t rows,
+                   omni::quant::OutKind out_kind, bool gelu, cudaStream_t stream) {
+  const int threads = staged_threads(params.row_vectors);
+  if (dtype == torch::kBFloat16) {
+    omni::quant::launch_quantize_staged<__nv_bfloat16>(params, rows, out_kind, gelu, threads,
+                                                       stream);
+  } else {
+    omni::quant::launch_quantize_staged<__half>(params, rows, out_kind, gelu, threads, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Whether a row of `cols` 16-bit values fits the staged kernel's shared memory.
 bool fits_staged(int64_t cols) {
   return cols * 2 <= omni::quant::kStagedMaxRowBytes;
@@ -150,14 +163,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(
                      params.mod_scale == nullptr && params.mod_shift == nullptr;
   if (plain && fits_staged(cols)) {
     params.gelu_from = params.cols;  // unused without the GELU
-    const int threads = staged_threads(params.row_vectors);
-    if (dtype == torch::kBFloat16) {
-      omni::quant::launch_quantize_staged<__nv_bfloat16>(params, rows, out_kind, false, threads,
-                                                         stream);
-    } else {
-      omni::quant::launch_quantize_staged<__half>(params, rows, out_kind, false, threads, stream);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_staged(dtype, params, rows, out_kind, false, stream);
     return {q, scale};
   }
   const auto [vpt, threads] = launch_geometry(params.row_vectors);
@@ -224,14 +230,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
   const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (fits_staged(width)) {
-    const int threads = staged_threads(params.row_vectors);
-    if (dtype == torch::kBFloat16) {
-      omni::quant::launch_quantize_staged<__nv_bfloat16>(params, rows, out_kind, true, threads,
-                                                         stream);
-    } else {
-      omni::quant::launch_quantize_staged<__half>(params, rows, out_kind, true, threads, stream);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_staged(dtype, params, rows, out_kind, true, stream);
     return {q, scale};
   }
   const auto [vpt, threads] = launch_geometry(params.row_vectors);
