@@ -88,7 +88,7 @@ SHAPES = {
 
 DEFAULT_BACKENDS = (
     "sdpa_cudnn", "omni_triton", "sdpa_flash", "sdpa_efficient", "flash_attn3", "flash_attn",
-    "flashinfer", "sageattention", "omni_sage", "xformers",
+    "flashinfer", "sageattention", "omni_sage", "omni_sage_sm90", "xformers",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BASELINE = "sdpa_cudnn"

@@ -46,7 +46,9 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E4
 
 from omni_kernels.attention import attention, get_backend, select_backend  # noqa: E402
 from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
+    CUDA_SM90_CONFIG,
     SageConfig,
+    cuda_sm90_unsupported_reason,
     default_config,
     sage_attention_forward,
     sage_attention_quantized,
@@ -81,6 +83,7 @@ CONFIGS = [
     C(128, 128, 8, 3, use_tma=True, warp_specialize=True),  # 7
     C(64, 64, 4, 4),                                        # 8
     C(64, 64, 4, 4, use_tma=True),                          # 9
+    CUDA_SM90_CONFIG,                                       # 10: the Hopper CUDA (wgmma) kernel
 ]
 CHECK_HEADS = 2
 CHECK_QUERIES = 1024
@@ -178,6 +181,11 @@ def main():
               {"stats_chunk_len": stats_chunk_len(s, b * h, device)})
         timed("  attention kernel only", lambda: sage_attention_quantized(
             qkv, out, layout="bhsd", scale=d ** -0.5, config=dflt))
+        cuda_reason = cuda_sm90_unsupported_reason(device, d, q.dtype)
+        if CUDA_SM90_CONFIG in configs and cuda_reason is None:
+            qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
+            timed("  cuda_sm90 attention kernel only", lambda: sage_attention_quantized(
+                qkv, out, layout="bhsd", scale=d ** -0.5, config=CUDA_SM90_CONFIG))
         qkv = out = None  # free before the accuracy inputs
 
         if not args.no_check:
@@ -185,8 +193,12 @@ def main():
                 if kind == "dit":
                     q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, device)
                 for name, fn in (("omni_sage", lambda: sage_attention_forward(q, k, v)),
+                                 ("omni_sage cuda_sm90",
+                                  lambda: sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG)),
                                  ("sageattention", lambda: attention(q, k, v, backend="sageattention"))):
                     if name == "sageattention" and (sage_reason or not select_backend(q, k, v, backend=name)[0]):
+                        continue
+                    if name.endswith("cuda_sm90") and (cuda_reason or CUDA_SM90_CONFIG not in configs):
                         continue
                     cos, rel = errors(fn(), q, k, v)
                     row = {"shape": shape_name, "impl": f"accuracy {name} {kind}", "cosine": cos, "rel_l2": rel}

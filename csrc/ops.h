@@ -38,6 +38,18 @@ torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& 
                                    const std::optional<torch::Tensor>& bias, double clamp,
                                    bool use_fast_accum);
 
+// Quantized attention on Hopper (csrc/attention/, CUDA only): softmax(scale * q k^T) v from the
+// quantized inputs of omni_kernels.attention.quantized (INT8 Q and smoothed K, FP8 V^T with its
+// keys permuted in groups of 16), head_dim 128. Writes out [B, Hq, Sq, 128] (a view with any
+// even strides, unit last) and, if given, lse [B, Hq, Sq] float32 (natural log, K's mean added
+// back). Keys >= key_lengths[b] (int32 [B], optional) and >= seq_kv are masked.
+void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_scale,
+                         const torch::Tensor& q_kmean, const torch::Tensor& k_int8,
+                         const torch::Tensor& k_scale, const torch::Tensor& v_fp8,
+                         const torch::Tensor& v_scale,
+                         const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
+                         double scale, torch::Tensor& out, const std::optional<torch::Tensor>& lse);
+
 // Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
 // [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or
 // replicated) into out [N, T, lo + h + hi, W] (any strides).

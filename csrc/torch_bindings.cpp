@@ -33,6 +33,15 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "bool use_fast_accum) -> Tensor");
   ops.impl("quantized_linear_fp8", torch::kCUDA, &quantized_linear_fp8);
 
+#ifndef USE_ROCM
+  // Hopper quantized attention (INT8 QK^T, FP8 PV with wgmma) on quantize_qkv's outputs.
+  ops.def(
+      "sage_attention_sm90(Tensor q_int8, Tensor q_scale, Tensor q_kmean, Tensor k_int8, "
+      "Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? key_lengths, int seq_kv, "
+      "float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+  ops.impl("sage_attention_sm90", torch::kCUDA, &sage_attention_sm90);
+#endif
+
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.
   ops.def("halo_pack(Tensor x, Tensor(a!) send_lo, Tensor(b!) send_hi) -> ()");
   ops.impl("halo_pack", torch::kCUDA, &halo_pack);

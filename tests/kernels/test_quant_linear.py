@@ -975,7 +975,8 @@ ops = torch.ops.omni_kernels
 try:
     {call}
 except RuntimeError as error:
-    print(str(error).splitlines()[0])
+    # flushed at once: a crash at interpreter exit must not hide that the call raised
+    print(str(error).splitlines()[0], flush=True)
 """
 
 

@@ -27,7 +27,9 @@ import torch
 
 from omni_kernels.attention import attention, get_backend, select_backend
 from omni_kernels.attention.quantized.attention_kernel import (
+    CUDA_SM90_CONFIG,
     SageConfig,
+    cuda_sm90_unsupported_reason,
     default_config,
     sage_attention_forward,
     sage_attention_quantized,
@@ -36,9 +38,11 @@ from omni_kernels.attention.quantized.quantize import quantize_qkv
 from omni_kernels.attention.quantized.reference import (
     dequantize_qkv,
     dit_like_qkv,
+    natural_v,
     quantize_qkv_reference,
     quantized_attention_reference,
     sage_attention_reference,
+    v_key_permutation,
 )
 
 # --------------------------------------------------------------------------- inputs
@@ -140,6 +144,42 @@ def test_quantize_matches_reference(inputs, dtype, layout, lengths):
     kmean = got.k_mean[:, :, None]
     assert ((kd + kmean - bh(k).float()).abs() <= 0.51 * got.k_scale.amax() + 1e-6).all()
     assert ((vd - bh(v).float()).abs() <= bh(v).float().abs() / 16 + 2.0**-9 * got.v_scale.amax()).all()
+
+
+def test_v_key_permutation_order():
+    """Column 4t + i of each 16-key group holds key 2t + i % 2 + 8 (i // 2): the order of the
+    Hopper kernel's P fragments."""
+    perm = v_key_permutation(48).tolist()
+    group = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    assert perm == group + [16 + x for x in group] + [32 + x for x in group]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        v_key_permutation(40)
+
+
+@pytest.mark.parametrize("lengths", [None, (45, 20)])
+def test_quantize_permuted_v(inputs, lengths):
+    """permute_v=True: the reference's bytes, and the unpermuted V^T once the order is undone;
+    Q and K are untouched."""
+    b, hq, hkv, sq, skv, d = 2, 2, 2, 9, 45, 64
+    q = inputs.activations((b, hq, sq, d), torch.float16)
+    k = inputs.activations((b, hkv, skv, d), torch.float16)
+    v = inputs.activations((b, hkv, skv, d), torch.float16, outlier_channels=0)
+    if lengths is not None:
+        lengths = torch.tensor(lengths)
+    got = quantize_qkv(q, k, v, block_n=16, key_lengths=lengths, permute_v=True)
+    ref = quantize_qkv_reference(q, k, v, block_n=16, key_lengths=lengths, permute_v=True)
+    plain = quantize_qkv(q, k, v, block_n=16, key_lengths=lengths)
+    assert got.v_permuted and ref.v_permuted and not plain.v_permuted
+    _assert_same_bytes(got.v_fp8, ref.v_fp8, "v_fp8 (permuted)")
+    _assert_same_bytes(natural_v(got), plain.v_fp8, "v_fp8 (order undone)")
+    assert not torch.equal(got.v_fp8.view(torch.uint8), plain.v_fp8.view(torch.uint8))
+    assert torch.equal(got.q_int8, plain.q_int8) and torch.equal(got.k_int8, plain.k_int8)
+    # the blockwise reference reads either order the same way
+    assert torch.equal(quantized_attention_reference(ref, scale=0.125),
+                       quantized_attention_reference(quantize_qkv_reference(
+                           q, k, v, block_n=16, key_lengths=lengths), scale=0.125))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_qkv(q, k, v, block_n=8, permute_v=True)
 
 
 def test_quantize_ties_correctly_rounded():
@@ -281,6 +321,32 @@ def test_kernel_argument_errors():
         sage_attention_forward(q.transpose(2, 3), q, q)
 
 
+def test_sage_config_kernel_validation():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        SageConfig(64, 128, 4, 3, kernel="cutlass")
+    with pytest.raises(ValueError, match="block_m=128 and block_n=128"):
+        SageConfig(64, 128, 4, 3, kernel="cuda_sm90")
+    assert CUDA_SM90_CONFIG.kernel == "cuda_sm90" and "cuda_sm90" in CUDA_SM90_CONFIG.describe()
+
+
+def test_cuda_sm90_kernel_unavailable_is_a_clear_error():
+    """Asking for the CUDA kernel where it cannot run names what is missing, before any work."""
+    q = torch.randn(1, 2, 16, 128, dtype=torch.float16)
+    reason = cuda_sm90_unsupported_reason(q.device, 128, q.dtype)
+    assert reason is not None and "cuda_sm90" in reason
+    with pytest.raises(RuntimeError, match="cuda_sm90"):
+        sage_attention_forward(q, q, q, config=CUDA_SM90_CONFIG)
+
+
+def test_kernel_refuses_the_other_v_order(inputs):
+    """The Triton kernel reads natural-order V^T; handing it permuted V^T is an error."""
+    q = inputs.activations((1, 2, 16, 64), torch.float32)
+    qkv = quantize_qkv(q, q, q, block_n=16, permute_v=True)
+    with pytest.raises(ValueError, match="permute_v=False"):
+        sage_attention_quantized(qkv, torch.empty_like(q), layout="bhsd", scale=0.125,
+                                 config=SageConfig(16, 16, 4, 1))
+
+
 # --------------------------------------------------------------------------- CPU: accuracy of the math
 
 
@@ -337,6 +403,18 @@ def test_backend_clear_errors():
     assert name is None and "head_dim=80" in reason
     name, reason = select_backend(q.bfloat16(), q.bfloat16(), q.bfloat16(), backend="omni_sage")
     assert name is None and "bfloat16" in reason
+
+
+def test_sm90_backend_declaration_and_unavailability():
+    spec = get_backend("omni_sage_sm90")
+    assert spec.lossy and not spec.causal and spec.key_lengths and spec.lse and spec.gqa
+    assert spec.min_capability == (9, 0) and tuple(spec.head_dims) == (128,)
+    assert spec.devices == ("cuda",)
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in spec.unavailable_reason(None)
+    q = torch.randn(1, 2, 16, 128, dtype=torch.float16)
+    name, reason = select_backend(q, q, q, backend="omni_sage_sm90")
+    assert name is None and reason
 
 
 def test_auto_never_picks_lossy_unasked():
@@ -494,3 +572,116 @@ def test_gpu_long_sequence_accumulation():
     out = sage_attention_forward(q, k, v)
     cos, rel = _subset_errors(out, q, k, v)
     assert cos >= 0.999 and rel <= 3e-2, f"cosine {cos:.5f}, rel L2 {rel:.3e}"
+
+
+# --------------------------------------------------------------------------- GPU: the Hopper CUDA kernel
+
+
+def _skip_without_cuda_sm90():
+    reason = cuda_sm90_unsupported_reason(torch.device("cuda"), 128, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_cuda_sm90_matches_blockwise_reference(layout, dtype):
+    """The wgmma kernel against the reference on the same quantized tensors: GQA, odd query
+    count (a partial 128-row tile), key lengths (a ragged last block, an empty sample), LSE;
+    outputs poisoned with NaN first."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, hq, hkv, sq, skv, d = 3, 4, 2, 1000, 3001, 128
+    q, _, _ = dit_like_qkv(gen, (b, hq, sq, d), dtype, "cuda")
+    _, k, v = dit_like_qkv(gen, (b, hkv, skv, d), dtype, "cuda")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    lengths = torch.tensor([3001, 2000, 0], device="cuda")
+    qkv = quantize_qkv(q, k, v, layout=layout, block_n=128, key_lengths=lengths, permute_v=True)
+    out = torch.full_like(q, float("nan"))
+    _, lse = sage_attention_quantized(qkv, out, layout=layout, scale=1 / math.sqrt(d),
+                                      key_lengths=lengths, return_lse=True, config=CUDA_SM90_CONFIG)
+    torch.cuda.synchronize()
+    ref, ref_lse = quantized_attention_reference(qkv, scale=1 / math.sqrt(d), key_lengths=lengths,
+                                                 return_lse=True)
+    if layout == "bshd":
+        ref = ref.transpose(1, 2)
+    assert not torch.isnan(out).any()
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel <= 5e-3, f"rel {rel:.3e}"
+    assert not out[2].float().any(), "a sample without keys gives 0"
+    assert torch.isneginf(lse[2]).all()
+    assert (lse[:2] - ref_lse[:2]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_sm90_matches_triton_kernel_and_float32():
+    """Flux's shape: the CUDA kernel's output against float32 attention (the issue's accuracy
+    bar) and against the Triton kernel on the same inputs."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = dit_like_qkv(gen, (1, 24, 4608, 128), torch.bfloat16, "cuda")
+    out = sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG)
+    triton_out = sage_attention_forward(q, k, v)
+    cos, rel = _subset_errors(out, q, k, v)
+    assert cos >= 0.999 and rel <= 3e-2, f"cosine {cos:.5f}, rel L2 {rel:.3e}"
+    between = ((out.float() - triton_out.float()).norm() / triton_out.float().norm()).item()
+    assert between <= 1e-2, f"CUDA vs Triton rel L2 {between:.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_sm90_long_sequence_accumulation():
+    """75600 keys through the CUDA kernel: the two-level accumulation keeps the error flat."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = dit_like_qkv(gen, (1, 2, 75600, 128), torch.bfloat16, "cuda")
+    out = sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG)
+    cos, rel = _subset_errors(out, q, k, v)
+    assert cos >= 0.999 and rel <= 3e-2, f"cosine {cos:.5f}, rel L2 {rel:.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_sm90_op_argument_errors():
+    """The C++ op's own checks: natural-order shapes it cannot take raise naming the argument."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = dit_like_qkv(gen, (1, 2, 200, 128), torch.bfloat16, "cuda")
+    qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
+    out = torch.empty_like(q)
+    op = torch.ops.omni_kernels.sage_attention_sm90
+    args = [qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+            None, qkv.seq_kv, 0.0883883, out, None]
+    bad_v = list(args)
+    bad_v[5] = qkv.v_fp8.transpose(-1, -2).contiguous()
+    with pytest.raises(RuntimeError, match="v_fp8 dimension 2 must be 128"):
+        op(*bad_v)
+    bad_len = list(args)
+    bad_len[8] = 100
+    with pytest.raises(RuntimeError, match="seq_kv must be in"):
+        op(*bad_len)
+    bad_out = list(args)
+    bad_out[10] = out.float()
+    with pytest.raises(RuntimeError, match="out must be bfloat16 or float16"):
+        op(*bad_out)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_backend_through_attention():
+    """The registry backend: bshd, GQA, key lengths and the LSE against float32 attention."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    q, _, _ = dit_like_qkv(gen, (2, 8, 777, 128), torch.bfloat16, "cuda")
+    _, k, v = dit_like_qkv(gen, (2, 2, 1500, 128), torch.bfloat16, "cuda")
+    lengths = torch.tensor([1500, 641], device="cuda", dtype=torch.int32)
+    out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                         backend="omni_sage_sm90", layout="bshd", key_lengths=lengths,
+                         return_lse=True)
+    out = out.transpose(1, 2).float()
+    for b, n in enumerate(lengths.tolist()):
+        exact = _exact(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        rel = ((out[b:b + 1] - exact).norm() / exact.norm()).item()
+        assert rel <= 3e-2 and _row_cosine(out[b:b + 1], exact) >= 0.999, f"sample {b}: rel {rel:.3e}"
+        scores = q[b].float() @ k[b, :, :n].float().repeat_interleave(4, 0).transpose(-1, -2)
+        exact_lse = torch.logsumexp(scores / math.sqrt(128), dim=-1)
+        assert (lse[b] - exact_lse).abs().max().item() <= 0.15

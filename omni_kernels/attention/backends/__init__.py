@@ -12,5 +12,6 @@ from omni_kernels.attention.backends import (  # noqa: F401  (imported to regist
     flashinfer,
     sageattention,
     omni_sage,
+    omni_sage_sm90,
     xformers,
 )

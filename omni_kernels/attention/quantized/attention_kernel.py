@@ -197,9 +197,19 @@ def _sage_fwd_kernel(
 # --------------------------------------------------------------------------- configs
 
 
+KERNELS = ("triton", "cuda_sm90")
+
+
 @dataclasses.dataclass(frozen=True)
 class SageConfig:
-    """Launch parameters; ``block_n`` is also the K quantization block."""
+    """Launch parameters; ``block_n`` is also the K quantization block.
+
+    ``kernel``: ``"triton"`` (this module's kernel, every FP8-capable GPU) or
+    ``"cuda_sm90"`` (the wgmma kernel of ``csrc/attention/sage_sm90.cu``: Hopper,
+    head_dim 128, needs the compiled extension; its tile is fixed at 128 x 128 with
+    three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
+    ``num_warps``/``num_stages``/``use_tma``/``warp_specialize`` describe nothing).
+    """
 
     block_m: int
     block_n: int
@@ -207,10 +217,48 @@ class SageConfig:
     num_stages: int
     use_tma: bool = False  # K, V^T, Q through host-built TMA descriptors (sm_90+)
     warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
+    kernel: str = "triton"
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"SageConfig.kernel must be one of {KERNELS}; got {self.kernel!r}")
+        if self.kernel == "cuda_sm90" and (self.block_m, self.block_n) != (128, 128):
+            raise ValueError("SageConfig(kernel='cuda_sm90') needs block_m=128 and block_n=128 "
+                             f"(the CUDA kernel's fixed tile); got {self.block_m}, {self.block_n}")
 
     def describe(self) -> str:
+        if self.kernel == "cuda_sm90":
+            return "cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups)"
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
                 + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else ""))
+
+
+CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
+
+
+def cuda_sm90_unsupported_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None when ``SageConfig(kernel="cuda_sm90")`` can run on ``device`` with this head_dim and
+    dtype, else why not (what is missing). Shapes are checked by :func:`unsupported_reason`."""
+    from omni_kernels._extension import compiled_extension_error, has_compiled_extension
+
+    if not has_compiled_extension():
+        return f"the cuda_sm90 kernel needs omni's compiled extension: {compiled_extension_error()}"
+    if not hasattr(torch.ops.omni_kernels, "sage_attention_sm90"):
+        return ("the cuda_sm90 kernel is missing from this build of omni_kernels._C "
+                "(a ROCm build, or one older than the kernel): rebuild the extension")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the cuda_sm90 kernel runs on CUDA tensors; got {device}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = tuple(torch.cuda.get_device_capability(index))
+    if cap[0] != 9:
+        return (f"the cuda_sm90 kernel needs a Hopper GPU (compute capability 9.0: wgmma, TMA); "
+                f"{torch.cuda.get_device_name(index)} has {cap[0]}.{cap[1]}")
+    if head_dim != 128:
+        return f"the cuda_sm90 kernel takes head_dim 128; got {head_dim}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the cuda_sm90 kernel takes float16 or bfloat16; got {dtype}"
+    return None
 
 
 _INTERPRETER_CONFIG = SageConfig(16, 16, 4, 1)
@@ -331,9 +379,20 @@ def sage_attention_quantized(
     cfg = config or default_config(d, out.device)
     if cfg.block_n != qkv.block_n:
         raise ValueError(f"config.block_n ({cfg.block_n}) must equal the quantization block ({qkv.block_n})")
+    if qkv.v_permuted != (cfg.kernel == "cuda_sm90"):
+        raise ValueError(f"the {cfg.kernel} kernel reads V^T with its keys "
+                         f"{'permuted' if cfg.kernel == 'cuda_sm90' else 'in natural order'}: "
+                         f"quantize with permute_v={cfg.kernel == 'cuda_sm90'}")
     lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=out.device) if return_lse else None
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=out.device, dtype=torch.int32).contiguous()
+    if cfg.kernel == "cuda_sm90":
+        out4 = out if layout == "bhsd" else out.transpose(1, 2)  # the op takes a [B, H, S, D] view
+        torch.ops.omni_kernels.sage_attention_sm90(
+            qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+            key_lengths, qkv.seq_kv, float(scale), out4, lse,
+        )
+        return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
     q_desc, k_desc, v_desc = _tma_descriptors(qkv, cfg) if use_tma else (None, None, None)
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
@@ -417,9 +476,14 @@ def sage_attention_forward(
             f"dim; got {tuple(out.shape)}, {out.dtype}, {out.device}, strides {tuple(out.stride())}"
         )
     cfg = config or default_config(d, q.device)
+    if cfg.kernel == "cuda_sm90":
+        reason = cuda_sm90_unsupported_reason(q.device, d, q.dtype)
+        if reason is not None:
+            raise RuntimeError(f"sage_attention_forward: {reason}")
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
-    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths)
+    qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths,
+                       permute_v=cfg.kernel == "cuda_sm90")
     return sage_attention_quantized(
         qkv, out, layout=layout, scale=float(scale), key_lengths=key_lengths,
         return_lse=return_lse, config=cfg,
@@ -427,9 +491,12 @@ def sage_attention_forward(
 
 
 __all__ = [
+    "CUDA_SM90_CONFIG",
     "HEAD_DIMS",
+    "KERNELS",
     "MIN_CAPABILITY",
     "SageConfig",
+    "cuda_sm90_unsupported_reason",
     "default_config",
     "sage_attention_forward",
     "sage_attention_quantized",

@@ -1,6 +1,6 @@
 """``torch.library`` registration of the quantized attention forward.
 
-``torch.ops.omni_kernels.sage_attention_fwd(q, k, v, layout, scale, key_lengths)
+``torch.ops.omni_kernels.sage_attention_fwd(q, k, v, layout, scale, key_lengths, kernel)
 -> (out, lse)`` wraps :func:`.attention_kernel.sage_attention_forward` (quantize
 + attend) as one opaque node for ``torch.compile``. The fake implementation
 gives ``out`` with ``q``'s shape and dtype, contiguous in ``layout`` (as the real
@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from omni_kernels._extension import has_compiled_extension
 from omni_kernels.attention.ops import output_shapes
 
 OP_NAME = "omni_kernels::sage_attention_fwd"
@@ -27,21 +28,41 @@ def sage_attention_fwd(
     layout: str,
     scale: float,
     key_lengths: Optional[torch.Tensor],
+    kernel: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``."""
-    from omni_kernels.attention.quantized.attention_kernel import sage_attention_forward
+    """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``.
 
+    ``kernel``: ``"triton"`` (the default config of the Triton kernel) or ``"cuda_sm90"``
+    (the Hopper wgmma kernel, :data:`~.attention_kernel.CUDA_SM90_CONFIG`)."""
+    from omni_kernels.attention.quantized.attention_kernel import (
+        CUDA_SM90_CONFIG,
+        KERNELS,
+        sage_attention_forward,
+    )
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     out_shape, _ = output_shapes(q, layout)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     return sage_attention_forward(
         q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=True, out=out,
+        config=CUDA_SM90_CONFIG if kernel == "cuda_sm90" else None,
     )
 
 
 @sage_attention_fwd.register_fake
-def _(q, k, v, layout, scale, key_lengths):
+def _(q, k, v, layout, scale, key_lengths, kernel="triton"):
     out_shape, lse_shape = output_shapes(q, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _fake_sage_attention_sm90(q_int8, q_scale, q_kmean, k_int8, k_scale, v_fp8, v_scale,
+                              key_lengths, seq_kv, scale, out, lse):
+    return None  # writes out (and lse) in place
+
+
+if has_compiled_extension() and hasattr(torch.ops.omni_kernels, "sage_attention_sm90"):
+    torch.library.register_fake("omni_kernels::sage_attention_sm90")(_fake_sage_attention_sm90)
 
 
 __all__ = ["OP_NAME", "sage_attention_fwd"]

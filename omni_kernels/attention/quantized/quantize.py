@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from omni_kernels._triton import triton_interpreter_enabled
-from omni_kernels.attention.quantized.reference import FP8_DTYPE, QuantizedQKV
+from omni_kernels.attention.quantized.reference import FP8_DTYPE, V_KEY_GROUP, QuantizedQKV
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
 STATS_PROGRAMS_PER_SM = 8  # enough loads in flight to stream K/V at full bandwidth
@@ -180,9 +180,10 @@ def _quant_kv_block(
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_kv_heads, seq_k, seq_k_pad, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    HAS_KEY_LENGTHS: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
 ):
-    """Key block ``blk`` of kv head ``bh``: K smoothed to INT8 (one scale), V^T to FP8."""
+    """Key block ``blk`` of kv head ``bh``: K smoothed to INT8 (one scale), V^T to FP8
+    (``PERMUTE_V``: key columns in ``reference.v_key_permutation``'s order)."""
     bh64 = bh.to(tl.int64)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
@@ -208,7 +209,10 @@ def _quant_kv_block(
                 mask=ok, other=0.0).to(tl.float32)
     vinv = tl.load(VINV + bh64 * HEAD_DIM + offs_d)
     v8 = fp8_convert(tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0), EMULATE_FP8)
-    vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
+    cols = rows
+    if PERMUTE_V:  # key 16a + r goes to column 16a + 4 ((r // 2) % 4) + 2 (r // 8) + r % 2
+        cols = (rows // 16) * 16 + ((rows // 2) % 4) * 4 + ((rows // 8) % 2) * 2 + rows % 2
+    vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + cols[None, :]
     tl.store(vt_ptrs, tl.trans(v8))
 
 
@@ -220,7 +224,7 @@ def _qkv_quant_kernel(
     num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_q_blocks, num_q_programs, num_blocks,
     num_kv_bh,
     HEAD_DIM: tl.constexpr, Q_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    EMULATE_FP8: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
 ):
     """Programs ``[0, num_q_programs)`` quantize Q blocks, the rest K/V blocks (block fastest)."""
     pid = tl.program_id(0)
@@ -237,7 +241,7 @@ def _qkv_quant_kernel(
             pid % num_blocks, pid // num_blocks,
             stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
             num_kv_heads, seq_k, seq_k_pad, num_blocks,
-            HEAD_DIM, BLOCK_N, EMULATE_FP8, HAS_KEY_LENGTHS,
+            HEAD_DIM, BLOCK_N, EMULATE_FP8, HAS_KEY_LENGTHS, PERMUTE_V,
         )
 
 
@@ -269,6 +273,7 @@ def quantize_qkv(
     layout: str = "bhsd",
     block_n: int = 128,
     key_lengths: torch.Tensor | None = None,
+    permute_v: bool = False,
 ) -> QuantizedQKV:
     """Quantize ``q``, ``k``, ``v`` (see :mod:`.reference` for the exact math).
 
@@ -280,6 +285,8 @@ def quantize_qkv(
         key_lengths: optional int32 ``[B]`` on q's device: keys ``j >= key_lengths[b]``
             are padding; they are left out of K's mean, V's scales and the K
             block scales, and written as 0.
+        permute_v: store V^T's key columns in ``reference.v_key_permutation``'s order,
+            as the Hopper CUDA kernel reads them (``block_n`` a multiple of 16).
 
     Returns:
         :class:`~.reference.QuantizedQKV` (contiguous, head-major, K and V
@@ -289,6 +296,8 @@ def quantize_qkv(
     batch, hq, sq, d = bhs_sizes(q, layout)
     _, hkv, skv, _ = bhs_sizes(k, layout)
     device = q.device
+    if permute_v and block_n % V_KEY_GROUP:
+        raise ValueError(f"permute_v needs block_n to be a multiple of {V_KEY_GROUP}; got {block_n}")
     nblk = triton.cdiv(skv, block_n)
     skv_pad = nblk * block_n
     num_kv_bh = batch * hkv
@@ -329,11 +338,12 @@ def quantize_qkv(
             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
             hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk, num_kv_bh,
             HEAD_DIM=d, Q_BLOCK=q_block, BLOCK_N=block_n, EMULATE_FP8=emulate,
-            HAS_KEY_LENGTHS=has_lengths, num_warps=8 if block_n >= 128 else 4,
+            HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, num_warps=8 if block_n >= 128 else 4,
         )
     k_mean = stats[0].view(batch, hkv, d)
     v_scale = stats[2].view(batch, hkv, d)
-    return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_scale, skv, block_n, q_kmean)
+    return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_scale, skv, block_n, q_kmean,
+                        permute_v)
 
 
 __all__ = ["fp8_convert", "quantize_qkv", "stats_chunk_len"]

@@ -104,6 +104,8 @@ class QuantizedQKV:
         v_scale: float32 ``[B, Hkv, D]``: ``v ~ v_fp8^T * v_scale``.
         seq_kv: the true key count ``Skv``.
         block_n: the key block of ``k_scale`` (and of the attention kernel).
+        v_permuted: ``v_fp8``'s key columns are in :func:`v_key_permutation`'s order
+            (the Hopper CUDA kernel's), not natural order.
     """
 
     q_int8: torch.Tensor
@@ -116,6 +118,38 @@ class QuantizedQKV:
     seq_kv: int
     block_n: int
     q_kmean: torch.Tensor
+    v_permuted: bool = False
+
+
+V_KEY_GROUP = 16  # the permutation of v_key_permutation repeats every 16 keys
+
+
+def v_key_permutation(seq_pad: int, device=None) -> torch.Tensor:
+    """Key order of a permuted ``v_fp8``: column ``c`` holds key ``perm[c]`` (int64 ``[seq_pad]``).
+
+    Within each group of 16 keys, column ``4t + i`` holds key ``2t + (i % 2) + 8 (i // 2)``
+    (``t`` in 0..3, ``i`` in 0..3): ``[0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]``.
+    That is the order in which a thread of the Hopper kernel holds P's columns in its
+    float32 scores (columns ``8c + 2t`` and ``8c + 2t + 1`` of each 8-column chunk ``c``),
+    so it packs its own values into the FP8 MMA's A fragments (4 consecutive columns per
+    register) without exchanging them with other threads. ``seq_pad``: a multiple of 16.
+    """
+    if seq_pad % V_KEY_GROUP:
+        raise ValueError(f"seq_pad must be a multiple of {V_KEY_GROUP}; got {seq_pad}")
+    col = torch.arange(seq_pad, device=device)
+    within = col % V_KEY_GROUP
+    t, i = within // 4, within % 4
+    return col - within + 2 * t + i % 2 + 8 * (i // 2)
+
+
+def natural_v(qkv: QuantizedQKV) -> torch.Tensor:
+    """``qkv.v_fp8`` with its key columns in natural order (a copy when permuted)."""
+    if not qkv.v_permuted:
+        return qkv.v_fp8
+    perm = v_key_permutation(qkv.v_fp8.shape[-1], qkv.v_fp8.device)
+    natural = torch.empty_like(qkv.v_fp8).view(torch.uint8)  # (no float8 indexing kernels)
+    natural[..., perm] = qkv.v_fp8.view(torch.uint8)
+    return natural.view(qkv.v_fp8.dtype)
 
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:
@@ -131,13 +165,15 @@ def quantize_qkv_reference(
     layout: str = "bhsd",
     block_n: int = 128,
     key_lengths: torch.Tensor | None = None,
+    permute_v: bool = False,
 ) -> QuantizedQKV:
     """The quantization of :mod:`.quantize` in PyTorch (see the module docstring).
 
     ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Skv, D]`` in ``layout="bhsd"``
     (``[B, S, H, D]`` for ``"bshd"``), any float dtype; computed in float32.
     ``key_lengths`` (int ``[B]``): keys ``j >= key_lengths[b]`` are padding, set
-    to 0 before any statistic (mean over the valid keys only).
+    to 0 before any statistic (mean over the valid keys only). ``permute_v``: ``v_fp8``'s
+    key columns in :func:`v_key_permutation`'s order (``block_n`` a multiple of 16).
     """
     qb = _bhsd(q, layout).to(torch.float32)
     kb = _bhsd(k, layout).to(torch.float32)
@@ -169,12 +205,17 @@ def quantize_qkv_reference(
     v_amax = vb.abs().amax(dim=2)
     v_scaled = vb * inverse_scale(v_amax, FP8_MAX)[:, :, None]
     v_fp8 = torch.nn.functional.pad(v_scaled.clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, pad))
-    v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2).contiguous()
+    v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2)
+    if permute_v:
+        perm = v_key_permutation(v_fp8.shape[-1], v_fp8.device)
+        v_fp8 = v_fp8.view(torch.uint8)[..., perm].view(FP8_DTYPE)
+    v_fp8 = v_fp8.contiguous()
     v_scale = _divide(v_amax, FP8_MAX)
     q_kmean = (qb * k_mean.repeat_interleave(qb.shape[1] // hkv, dim=1)[:, :, None, :]).sum(dim=-1)
     return QuantizedQKV(
         q_int8.contiguous(), q_scale.contiguous(), k_int8.contiguous(), k_scale.contiguous(),
         k_mean.contiguous(), v_fp8, v_scale.contiguous(), skv, block_n, q_kmean.contiguous(),
+        permute_v,
     )
 
 
@@ -183,7 +224,7 @@ def dequantize_qkv(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch
     q = qkv.q_int8.float() * qkv.q_scale[..., None]
     scale = qkv.k_scale.repeat_interleave(qkv.block_n, dim=-1)[..., None]
     k = (qkv.k_int8.float() * scale)[:, :, : qkv.seq_kv]
-    v = (qkv.v_fp8.float() * qkv.v_scale[..., None]).transpose(-1, -2)[:, :, : qkv.seq_kv]
+    v = (natural_v(qkv).float() * qkv.v_scale[..., None]).transpose(-1, -2)[:, :, : qkv.seq_kv]
     return q, k, v
 
 
@@ -207,7 +248,7 @@ def quantized_attention_reference(
     group = hq // hkv
     k8 = qkv.k_int8.repeat_interleave(group, dim=1).to(torch.float32)
     ks = qkv.k_scale.repeat_interleave(group, dim=1)
-    vt = qkv.v_fp8.repeat_interleave(group, dim=1).to(torch.float32)
+    vt = natural_v(qkv).repeat_interleave(group, dim=1).to(torch.float32)
     vs = qkv.v_scale.repeat_interleave(group, dim=1)
     qf = q8.to(torch.float32)
     qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)
@@ -298,8 +339,10 @@ __all__ = [
     "dit_like_qkv",
     "fp8_round",
     "inverse_scale",
+    "natural_v",
     "quantize_qkv_reference",
     "quantized_attention_reference",
     "round_half_away",
     "sage_attention_reference",
+    "v_key_permutation",
 ]

@@ -1,0 +1,494 @@
+// Quantized attention forward for Hopper (sm_90a): S = Q_int8 K_int8^T with wgmma s8 (exact,
+// int32), online softmax in base 2 with the running max shifted by log2(448) so P fills FP8's
+// range, P V with wgmma e4m3 (P from registers, V^T from shared memory) into a fresh float32
+// tile per key block that is then folded into the output accumulator (two-level accumulation:
+// the FP8 MMA's own accumulator keeps ~14 bits and never sums across blocks). The math is
+// omni_kernels/attention/quantized/reference.py's, step for step.
+//
+// A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
+//   * warpgroup 0, the producer: one thread issues TMA loads (Q once; K and V^T tiles of 128 keys
+//     through a kStages-deep ring) and gives its registers to the consumers (setmaxnreg).
+//   * warpgroups 1 and 2, the consumers: 64 query rows each; they share every K/V tile, and one
+//     computes its softmax while the other's MMAs run.
+// Shared memory tiles are [rows][128 bytes] with the 128-byte swizzle that TMA writes and wgmma
+// reads (both K-major: 8-bit wgmma operands must be).
+//
+// P as an A operand: a thread's float32 accumulator holds, per 8-column chunk c, the columns
+// 8c + 2t and 8c + 2t + 1 (t = lane % 4) of rows g and g + 8 (g = lane / 4); an 8-bit A
+// fragment wants columns 4t..4t+3 (and 16 + 4t..) of one row in each register. Instead of
+// shuffling P between threads, the quantizer stores V^T's keys permuted within each group of
+// 16 (logical column 4t + i holds key 2t + (i % 2) + 8 (i / 2)), so each thread packs its own
+// values: register 0 of k-step kk = P[g][32kk + {2t, 2t+1, 8+2t, 9+2t}], and so on.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "sage_sm90_params.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  #define OMNI_SAGE_SM90_DEVICE 1
+#endif
+
+namespace omni {
+namespace attention {
+namespace {
+
+constexpr int kBlockM = 128;         // query rows a CTA
+constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kStages = 3;
+constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
+constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr float kShift = 8.807354922057604f;  // log2(448)
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct SharedStorage {
+  alignas(1024) uint8_t q[kTileBytes];
+  alignas(1024) uint8_t k[kStages][kTileBytes];
+  alignas(1024) uint8_t v[kStages][kTileBytes];
+  alignas(8) uint64_t q_full;
+  uint64_t k_full[kStages];
+  uint64_t v_full[kStages];
+  uint64_t kv_empty[kStages];
+};
+
+#ifdef OMNI_SAGE_SM90_DEVICE
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---- TMA: a 2-D box into shared memory, completion counted on `bar` (bytes)
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                            int32_t inner, int32_t outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// ---- wgmma
+// Descriptor of a K-major [rows][128 B] tile with the 128-byte swizzle: 8-row groups 1024 B
+// apart (stride byte offset); the leading byte offset is unused by swizzled K-major layouts.
+// A k-step of 32 bytes inside the swizzle atom advances the start address (units of 16 B).
+__device__ __forceinline__ uint64_t tile_descriptor(const void* tile) {
+  uint64_t desc = (smem_u32(tile) & 0x3FFFF) >> 4;
+  desc |= uint64_t{1} << 16;
+  desc |= uint64_t{1024 >> 4} << 32;
+  desc |= uint64_t{1} << 62;
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+#define OMNI_WGMMA_D64(d)                                                                    \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),        \
+      "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), \
+      "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),          \
+      "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),          \
+      "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),          \
+      "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]),          \
+      "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]),          \
+      "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]),          \
+      "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),          \
+      "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]),          \
+      "+r"(d[62]), "+r"(d[63])
+
+#define OMNI_WGMMA_D64_LIST                                                                  \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "    \
+  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "    \
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d[64] (int32, m64n128) (+)= A (s8, shared) x B (s8, shared)^T over 32 of K.
+// accumulate == 0 starts a fresh sum (the instruction's own zeroing: writing the accumulator
+// with ordinary instructions would make ptxas serialize the wgmma).
+__device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                         int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " OMNI_WGMMA_D64_LIST
+      ", %64, %65, p;\n}\n"
+      : OMNI_WGMMA_D64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d[64] (float32 bits, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
+__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[64], const uint32_t (&a)[4],
+                                              uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " OMNI_WGMMA_D64_LIST
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : OMNI_WGMMA_D64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#undef OMNI_WGMMA_D64
+#undef OMNI_WGMMA_D64_LIST
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <uint32_t kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats to two e4m3 bytes (round to nearest even, saturating): `lo` in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <typename OutT>
+__device__ __forceinline__ void store_pair(OutT* dst, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(__half* dst, float a, float b) {
+  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+}
+
+#endif  // OMNI_SAGE_SM90_DEVICE
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
+                     const __grid_constant__ CUtensorMap q_map,
+                     const __grid_constant__ CUtensorMap k_map,
+                     const __grid_constant__ CUtensorMap v_map) {
+#ifdef OMNI_SAGE_SM90_DEVICE
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // Dynamic shared memory is 16-byte aligned by contract; the swizzled tiles need 1024.
+  auto& smem = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+
+  const int num_m_blocks = (p.seq_q + kBlockM - 1) / kBlockM;
+  const int m_block = blockIdx.x % num_m_blocks;  // query blocks of a head adjacent: K/V via L2
+  const int bh = blockIdx.x / num_m_blocks;
+  const int b = bh / p.heads;
+  const int h = bh % p.heads;
+  const int kv_bh = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  int kv_len = p.seq_kv;
+  if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.seq_kv);
+  const int num_n_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    mbar_init(&smem.q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&smem.k_full[s], 1);
+      mbar_init(&smem.v_full[s], 1);
+      mbar_init(&smem.kv_empty[s], kConsumerThreads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    registers_decrease<24>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&q_map);
+      tma_prefetch_descriptor(&k_map);
+      tma_prefetch_descriptor(&v_map);
+      // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
+      // scores are computed and never stored.
+      mbar_expect_tx(&smem.q_full, kTileBytes);
+      tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.seq_q + m_block * kBlockM);
+      const int k_row0 = kv_bh * p.seq_kv_pad;
+      const int v_row0 = kv_bh * kSageHeadDim;
+      for (int j = 0; j < num_n_blocks; ++j) {
+        const int stage = j % kStages;
+        if (j >= kStages) mbar_wait(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
+        mbar_expect_tx(&smem.k_full[stage], kTileBytes);
+        tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + j * kSageBlockN);
+        mbar_expect_tx(&smem.v_full[stage], kTileBytes);
+        tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  registers_increase<240>();
+  const int consumer = warpgroup - 1;
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+  const int g = lane / 4;  // this thread's rows: g and g + 8 of its warp's 16
+  const int t = lane % 4;  // and columns 8c + 2t, 8c + 2t + 1 of every 8-column chunk c
+  const int row_lo = m_block * kBlockM + consumer * kRowsPerConsumer + warp * 16 + g;
+  const int row_hi = row_lo + 8;
+  const int64_t q_index = static_cast<int64_t>(bh) * p.seq_q;
+  const float q_scale_lo = row_lo < p.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
+  const float q_scale_hi = row_hi < p.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
+  const float* k_scale = p.k_scale + static_cast<int64_t>(kv_bh) * (p.seq_kv_pad / kSageBlockN);
+
+  // m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf).
+  float m_lo = -1.0e30f, m_hi = -1.0e30f;
+  float l_lo = 0.0f, l_hi = 0.0f;  // this thread's share of the row sums (reduced at the end)
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+
+  mbar_wait(&smem.q_full, 0);
+  const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
+
+  for (int j = 0; j < num_n_blocks; ++j) {
+    const int stage = j % kStages;
+    const uint32_t parity = (j / kStages) & 1;
+    const float k_factor = __ldg(k_scale + j) * p.qk_scale;
+    // ---- S = Q K^T, exact int32
+    uint32_t s[64];
+    mbar_wait(&smem.k_full[stage], parity);
+    const uint64_t k_desc = tile_descriptor(smem.k[stage]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
+    wgmma_commit();
+    wgmma_wait_all();
+
+    // ---- online softmax (base 2; the max kept shifted by log2(448))
+    // Keys past kv_len (the last block only) are masked. s[] is only read here: writing a wgmma
+    // accumulator with ordinary instructions makes ptxas serialize the wgmma that reuses it.
+    const bool masked = (j + 1) * kSageBlockN > kv_len;
+    const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // column 8c + 2t + e is valid if < this
+    int max_lo = INT32_MIN, max_hi = INT32_MIN;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? INT32_MIN
+                                                                    : static_cast<int>(s[i]);
+      if ((i / 2) % 2 == 0) {
+        max_lo = max(max_lo, v);
+      } else {
+        max_hi = max(max_hi, v);
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, offset));
+      max_hi = max(max_hi, __shfl_xor_sync(0xffffffffu, max_hi, offset));
+    }
+    // The reference's rounding order: q_scale * (k_scale * scale * log2(e)). factor >= 0, so
+    // max(s) * factor == max(s * factor).
+    const float f_lo = q_scale_lo * k_factor, f_hi = q_scale_hi * k_factor;
+    const float m_new_lo = fmaxf(m_lo, static_cast<float>(max_lo) * f_lo - kShift);
+    const float m_new_hi = fmaxf(m_hi, static_cast<float>(max_hi) * f_hi - kShift);
+    const float alpha_lo = fast_exp2(m_lo - m_new_lo), alpha_hi = fast_exp2(m_hi - m_new_hi);
+    m_lo = m_new_lo;
+    m_hi = m_new_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+    float pf[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const bool hi = (i / 2) % 2 == 1;
+      float e = fast_exp2(
+          fmaf(static_cast<float>(static_cast<int>(s[i])), hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
+      if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
+      pf[i] = e;
+      if (hi) {
+        sum_hi += e;
+      } else {
+        sum_lo += e;
+      }
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
+    // P to e4m3 A fragments, k-step kk = keys [32kk, 32kk + 32) in V^T's permuted order.
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const float* c0 = pf + 16 * kk;  // chunk 4kk: [row g: 2 values][row g+8: 2 values]
+      pa[kk][0] = e4m3x2(c0[0], c0[1]) | (e4m3x2(c0[4], c0[5]) << 16);
+      pa[kk][1] = e4m3x2(c0[2], c0[3]) | (e4m3x2(c0[6], c0[7]) << 16);
+      pa[kk][2] = e4m3x2(c0[8], c0[9]) | (e4m3x2(c0[12], c0[13]) << 16);
+      pa[kk][3] = e4m3x2(c0[10], c0[11]) | (e4m3x2(c0[14], c0[15]) << 16);
+    }
+
+    // ---- this block's P V in a fresh float32 tile
+    uint32_t pv[64];
+    mbar_wait(&smem.v_full[stage], parity);
+    const uint64_t v_desc = tile_descriptor(smem.v[stage]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
+    wgmma_commit();
+    wgmma_wait_all();
+    mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, __uint_as_float(pv[i]));
+    }
+  }
+
+  // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
+#pragma unroll
+  for (int offset = 1; offset < 4; offset <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
+  }
+  const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
+  const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
+  const float* v_scale = p.v_scale + static_cast<int64_t>(kv_bh) * kSageHeadDim;
+  OutT* out_head = static_cast<OutT*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+  OutT* out_lo = out_head + static_cast<int64_t>(row_lo) * p.out_stride_s;
+  OutT* out_hi = out_head + static_cast<int64_t>(row_hi) * p.out_stride_s;
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    const int col = 8 * c + 2 * t;
+    const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+    if (row_lo < p.seq_q) {
+      store_pair(out_lo + col, o[4 * c] * vs.x * inv_lo, o[4 * c + 1] * vs.y * inv_lo);
+    }
+    if (row_hi < p.seq_q) {
+      store_pair(out_hi + col, o[4 * c + 2] * vs.x * inv_hi, o[4 * c + 3] * vs.y * inv_hi);
+    }
+  }
+  if (p.lse != nullptr && t == 0) {
+    if (row_lo < p.seq_q) {
+      p.lse[q_index + row_lo] =
+          l_lo > 0.0f ? (m_lo + log2f(l_lo)) * kLn2 + p.q_kmean[q_index + row_lo] * p.scale
+                      : -INFINITY;
+    }
+    if (row_hi < p.seq_q) {
+      p.lse[q_index + row_hi] =
+          l_hi > 0.0f ? (m_hi + log2f(l_hi)) * kLn2 + p.q_kmean[q_index + row_hi] * p.scale
+                      : -INFINITY;
+    }
+  }
+#else
+  __trap();  // built without sm_90a code: the host checks for the image before launching
+#endif  // OMNI_SAGE_SM90_DEVICE
+}
+
+// ---- host side: TMA descriptors (the driver's encoder, reached through the runtime so the
+// extension need not link libcuda)
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+cudaError_t encode_tiled_function(EncodeTiledFn* fn) {
+  static EncodeTiledFn cached = nullptr;
+  if (cached == nullptr) {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry,
+                                                             12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess) return err;
+    if (found != cudaDriverEntryPointSuccess || entry == nullptr) return cudaErrorNotSupported;
+    cached = reinterpret_cast<EncodeTiledFn>(entry);
+  }
+  *fn = cached;
+  return cudaSuccess;
+}
+
+// A [rows][width] byte matrix (row stride `width` bytes) read as [128 rows][128 B] boxes with
+// the 128-byte swizzle.
+cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void* base,
+                              uint64_t width, uint64_t rows) {
+  const cuuint64_t dims[2] = {width, rows};
+  const cuuint64_t strides[1] = {width};
+  const cuuint32_t box[2] = {128, 128};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                            strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename OutT>
+cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
+  auto* kernel = &sage_sm90_kernel<OutT>;
+  cudaFuncAttributes attributes;
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no sm_90a image: an error
+  if (err != cudaSuccess) return err;
+  EncodeTiledFn encode = nullptr;
+  if ((err = encode_tiled_function(&encode)) != cudaSuccess) return err;
+  CUtensorMap q_map, k_map, v_map;
+  const uint64_t q_rows = static_cast<uint64_t>(p.batch) * p.heads * p.seq_q;
+  const uint64_t kv_heads = static_cast<uint64_t>(p.batch) * p.kv_heads;
+  if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows)) != cudaSuccess ||
+      (err = encode_byte_tiles(encode, &k_map, p.k_int8, kSageHeadDim,
+                               kv_heads * p.seq_kv_pad)) != cudaSuccess ||
+      (err = encode_byte_tiles(encode, &v_map, p.v_fp8, p.seq_kv_pad,
+                               kv_heads * kSageHeadDim)) != cudaSuccess) {
+    return err;
+  }
+  const int smem_bytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment slack
+  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem_bytes)) != cudaSuccess) {
+    return err;
+  }
+  const int num_m_blocks = (p.seq_q + kBlockM - 1) / kBlockM;
+  const dim3 grid(static_cast<unsigned>(num_m_blocks) * p.batch * p.heads);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
+                                       cudaStream_t stream) {
+  return out_kind == SageOutKind::kBFloat16 ? launch_typed<__nv_bfloat16>(params, stream)
+                                            : launch_typed<__half>(params, stream);
+}
+
+}  // namespace attention
+}  // namespace omni

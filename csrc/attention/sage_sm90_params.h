@@ -1,0 +1,52 @@
+// Host-visible parameters and launcher of the Hopper (sm_90a) quantized attention kernel:
+// INT8 Q K^T and FP8 e4m3 P V with wgmma, inputs quantized by
+// omni_kernels/attention/quantized/quantize.py (the math: .../quantized/reference.py).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace omni {
+namespace attention {
+
+constexpr int kSageHeadDim = 128;
+constexpr int kSageBlockN = 128;  // keys a tile; also the K-scale block of the quantizer
+// V^T's keys are stored permuted within each group of 16 (see sage_sm90.cu, "P as an A operand").
+constexpr int kSageVKeyGroup = 16;
+
+struct SageSm90Params {
+  // Quantized inputs, contiguous (QuantizedQKV): q_int8 [B, Hq, Sq, 128], k_int8
+  // [B, Hkv, Skv_pad, 128], v_fp8 [B, Hkv, 128, Skv_pad] (keys permuted in groups of 16).
+  const void* q_int8;
+  const void* k_int8;
+  const void* v_fp8;
+  const float* q_scale;     // [B, Hq, Sq]
+  const float* k_scale;     // [B, Hkv, Skv_pad / 128]
+  const float* v_scale;     // [B, Hkv, 128]
+  const float* q_kmean;     // [B, Hq, Sq]: q . k_mean, read for the LSE only
+  const int32_t* key_lengths;  // [B] or nullptr
+  void* out;                // [B, Hq, Sq, 128] through the strides below (elements), unit last
+  int64_t out_stride_b;
+  int64_t out_stride_h;
+  int64_t out_stride_s;
+  float* lse;               // [B, Hq, Sq] contiguous, or nullptr
+  int batch;
+  int heads;
+  int kv_heads;
+  int seq_q;
+  int seq_kv;               // true key count; keys >= seq_kv are padding
+  int seq_kv_pad;           // a multiple of 128
+  float scale;              // softmax scale (natural log domain)
+  float qk_scale;           // scale * log2(e)
+};
+
+enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
+
+// Launches the kernel on `stream`; returns cudaSuccess or the first CUDA error (a build
+// without sm_90a code gives cudaErrorNoKernelImageForDevice).
+cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
+                                       cudaStream_t stream);
+
+}  // namespace attention
+}  // namespace omni
