@@ -54,6 +54,7 @@ from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
     sage_attention_quantized,
 )
 from omni_kernels.attention.quantized.quantize import quantize_qkv, stats_chunk_len  # noqa: E402
+from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda  # noqa: E402
 from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
 
 # name: (B, H, S, D)
@@ -183,8 +184,10 @@ def main():
             qkv, out, layout="bhsd", scale=d ** -0.5, config=dflt))
         cuda_reason = cuda_sm90_unsupported_reason(device, d, q.dtype)
         if CUDA_SM90_CONFIG in configs and cuda_reason is None:
+            timed("  cuda_sm90: CUDA quantization only",
+                  lambda: quantize_qkv_cuda(q, k, v, permute_v=True))
             qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
-            timed("  cuda_sm90 attention kernel only", lambda: sage_attention_quantized(
+            timed("  cuda_sm90: attention kernel only", lambda: sage_attention_quantized(
                 qkv, out, layout="bhsd", scale=d ** -0.5, config=CUDA_SM90_CONFIG))
         qkv = out = None  # free before the accuracy inputs
 

@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <torch/all.h>
 
@@ -49,6 +50,16 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out, const std::optional<torch::Tensor>& lse);
+
+// Q/K/V quantization for sage_attention_sm90 (csrc/attention/sage_quant.cu): q [B, Hq, Sq, 128],
+// k/v [B, Hkv, Skv, 128] (bshd: [B, S, H, 128]) fp16/bf16 read through strides. Returns
+// QuantizedQKV's tensors: q_int8, q_scale, q_kmean, k_int8 (keys padded to a multiple of 128),
+// k_scale, k_mean, v_fp8 ([B, Hkv, 128, Skv_pad], keys permuted in groups of 16 if permute_v),
+// v_scale.
+std::vector<torch::Tensor> sage_quantize_qkv(const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, bool bshd,
+                                             const std::optional<torch::Tensor>& key_lengths,
+                                             bool permute_v);
 
 // Halo rows of a height-sharded feature map (csrc/halo/): pack the first/last rows of x
 // [N, T, h, W] into contiguous send buffers; assemble x and its halo rows (received, zero or

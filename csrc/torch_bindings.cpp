@@ -40,6 +40,11 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? key_lengths, int seq_kv, "
       "float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
   ops.impl("sage_attention_sm90", torch::kCUDA, &sage_attention_sm90);
+  // Its inputs' quantization (INT8 Q, smoothed INT8 K, FP8 V^T) in CUDA: two launches, one call.
+  ops.def(
+      "sage_quantize_qkv(Tensor q, Tensor k, Tensor v, bool bshd, Tensor? key_lengths, "
+      "bool permute_v) -> Tensor[]");
+  ops.impl("sage_quantize_qkv", torch::kCUDA, &sage_quantize_qkv);
 #endif
 
   // Copy the first/last rows of a feature-map shard into contiguous halo send buffers.

@@ -125,12 +125,7 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
   p.out_stride_h = out.stride(1);
   p.out_stride_s = out.stride(2);
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.batch = static_cast<int>(batch);
-  p.heads = static_cast<int>(heads);
-  p.kv_heads = static_cast<int>(kv_heads);
-  p.seq_q = static_cast<int>(seq_q);
-  p.seq_kv = static_cast<int>(seq_kv);
-  p.seq_kv_pad = static_cast<int>(seq_kv_pad);
+  p.shape = omni::attention::make_sage_shape(batch, heads, kv_heads, seq_q, seq_kv, seq_kv_pad);
   p.scale = static_cast<float>(scale);
   p.qk_scale = static_cast<float>(scale * 1.4426950408889634);
   const auto kind = out_dtype == torch::kBFloat16 ? omni::attention::SageOutKind::kBFloat16

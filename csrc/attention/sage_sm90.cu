@@ -218,14 +218,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto& smem = *reinterpret_cast<SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
 
-  const int num_m_blocks = (p.seq_q + kBlockM - 1) / kBlockM;
+  const int num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
   const int m_block = blockIdx.x % num_m_blocks;  // query blocks of a head adjacent: K/V via L2
   const int bh = blockIdx.x / num_m_blocks;
-  const int b = bh / p.heads;
-  const int h = bh % p.heads;
-  const int kv_bh = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  int kv_len = p.seq_kv;
-  if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.seq_kv);
+  const int b = bh / p.shape.heads;
+  const int h = bh % p.shape.heads;
+  const int kv_bh = b * p.shape.kv_heads + h / (p.shape.heads / p.shape.kv_heads);
+  int kv_len = p.shape.seq_kv;
+  if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.shape.seq_kv);
   const int num_n_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
   const int warpgroup = threadIdx.x / 128;
 
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
       // scores are computed and never stored.
       mbar_expect_tx(&smem.q_full, kTileBytes);
-      tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.seq_q + m_block * kBlockM);
-      const int k_row0 = kv_bh * p.seq_kv_pad;
+      tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
+      const int k_row0 = kv_bh * p.shape.seq_kv_pad;
       const int v_row0 = kv_bh * kSageHeadDim;
       for (int j = 0; j < num_n_blocks; ++j) {
         const int stage = j % kStages;
@@ -274,10 +274,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t = lane % 4;  // and columns 8c + 2t, 8c + 2t + 1 of every 8-column chunk c
   const int row_lo = m_block * kBlockM + consumer * kRowsPerConsumer + warp * 16 + g;
   const int row_hi = row_lo + 8;
-  const int64_t q_index = static_cast<int64_t>(bh) * p.seq_q;
-  const float q_scale_lo = row_lo < p.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
-  const float q_scale_hi = row_hi < p.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
-  const float* k_scale = p.k_scale + static_cast<int64_t>(kv_bh) * (p.seq_kv_pad / kSageBlockN);
+  const int64_t q_index = static_cast<int64_t>(bh) * p.shape.seq_q;
+  const float q_scale_lo = row_lo < p.shape.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
+  const float q_scale_hi = row_hi < p.shape.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
+  const float* k_scale = p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN);
 
   // m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf).
   float m_lo = -1.0e30f, m_hi = -1.0e30f;
@@ -392,20 +392,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int c = 0; c < 16; ++c) {
     const int col = 8 * c + 2 * t;
     const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
-    if (row_lo < p.seq_q) {
+    if (row_lo < p.shape.seq_q) {
       store_pair(out_lo + col, o[4 * c] * vs.x * inv_lo, o[4 * c + 1] * vs.y * inv_lo);
     }
-    if (row_hi < p.seq_q) {
+    if (row_hi < p.shape.seq_q) {
       store_pair(out_hi + col, o[4 * c + 2] * vs.x * inv_hi, o[4 * c + 3] * vs.y * inv_hi);
     }
   }
   if (p.lse != nullptr && t == 0) {
-    if (row_lo < p.seq_q) {
+    if (row_lo < p.shape.seq_q) {
       p.lse[q_index + row_lo] =
           l_lo > 0.0f ? (m_lo + log2f(l_lo)) * kLn2 + p.q_kmean[q_index + row_lo] * p.scale
                       : -INFINITY;
     }
-    if (row_hi < p.seq_q) {
+    if (row_hi < p.shape.seq_q) {
       p.lse[q_index + row_hi] =
           l_hi > 0.0f ? (m_hi + log2f(l_hi)) * kLn2 + p.q_kmean[q_index + row_hi] * p.scale
                       : -INFINITY;
@@ -462,12 +462,12 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
   EncodeTiledFn encode = nullptr;
   if ((err = encode_tiled_function(&encode)) != cudaSuccess) return err;
   CUtensorMap q_map, k_map, v_map;
-  const uint64_t q_rows = static_cast<uint64_t>(p.batch) * p.heads * p.seq_q;
-  const uint64_t kv_heads = static_cast<uint64_t>(p.batch) * p.kv_heads;
+  const uint64_t q_rows = static_cast<uint64_t>(p.shape.batch) * p.shape.heads * p.shape.seq_q;
+  const uint64_t kv_heads = static_cast<uint64_t>(p.shape.batch) * p.shape.kv_heads;
   if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows)) != cudaSuccess ||
       (err = encode_byte_tiles(encode, &k_map, p.k_int8, kSageHeadDim,
-                               kv_heads * p.seq_kv_pad)) != cudaSuccess ||
-      (err = encode_byte_tiles(encode, &v_map, p.v_fp8, p.seq_kv_pad,
+                               kv_heads * p.shape.seq_kv_pad)) != cudaSuccess ||
+      (err = encode_byte_tiles(encode, &v_map, p.v_fp8, p.shape.seq_kv_pad,
                                kv_heads * kSageHeadDim)) != cudaSuccess) {
     return err;
   }
@@ -476,8 +476,8 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
                                   smem_bytes)) != cudaSuccess) {
     return err;
   }
-  const int num_m_blocks = (p.seq_q + kBlockM - 1) / kBlockM;
-  const dim3 grid(static_cast<unsigned>(num_m_blocks) * p.batch * p.heads);
+  const int num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
+  const dim3 grid(static_cast<unsigned>(num_m_blocks) * p.shape.batch * p.shape.heads);
   kernel<<<grid, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
   return cudaGetLastError();
 }

@@ -15,6 +15,16 @@ constexpr int kSageBlockN = 128;  // keys a tile; also the K-scale block of the 
 // V^T's keys are stored permuted within each group of 16 (see sage_sm90.cu, "P as an A operand").
 constexpr int kSageVKeyGroup = 16;
 
+// Problem sizes shared by the quantization and attention kernels.
+struct SageShape {
+  int batch;
+  int heads;
+  int kv_heads;
+  int seq_q;
+  int seq_kv;      // true key count; keys >= seq_kv are padding
+  int seq_kv_pad;  // a multiple of 128
+};
+
 struct SageSm90Params {
   // Quantized inputs, contiguous (QuantizedQKV): q_int8 [B, Hq, Sq, 128], k_int8
   // [B, Hkv, Skv_pad, 128], v_fp8 [B, Hkv, 128, Skv_pad] (keys permuted in groups of 16).
@@ -31,15 +41,18 @@ struct SageSm90Params {
   int64_t out_stride_h;
   int64_t out_stride_s;
   float* lse;               // [B, Hq, Sq] contiguous, or nullptr
-  int batch;
-  int heads;
-  int kv_heads;
-  int seq_q;
-  int seq_kv;               // true key count; keys >= seq_kv are padding
-  int seq_kv_pad;           // a multiple of 128
+  SageShape shape;
   float scale;              // softmax scale (natural log domain)
   float qk_scale;           // scale * log2(e)
 };
+
+inline SageShape make_sage_shape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_q,
+                                 int64_t seq_kv, int64_t seq_kv_pad) {
+  // The callers check that every product of these stays below 2**31.
+  return SageShape{static_cast<int>(batch), static_cast<int>(heads), static_cast<int>(kv_heads),
+                   static_cast<int>(seq_q), static_cast<int>(seq_kv),
+                   static_cast<int>(seq_kv_pad)};
+}
 
 enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
 

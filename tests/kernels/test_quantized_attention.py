@@ -338,6 +338,33 @@ def test_cuda_sm90_kernel_unavailable_is_a_clear_error():
         sage_attention_forward(q, q, q, config=CUDA_SM90_CONFIG)
 
 
+def test_cuda_quantizer_refusals_and_fake_shapes():
+    """The CUDA quantizer names what it cannot take; its fake gives QuantizedQKV's shapes
+    (checked under FakeTensorMode: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from omni_kernels._extension import has_compiled_extension
+    from omni_kernels.attention.quantized.quantize_cuda import (
+        cuda_quantize_unsupported_reason,
+        quantize_qkv_cuda,
+    )
+
+    x = torch.randn(1, 2, 16, 128, dtype=torch.float16)
+    assert cuda_quantize_unsupported_reason(x, x, x) is not None
+    with pytest.raises(ValueError, match="quantize_qkv_cuda"):
+        quantize_qkv_cuda(x, x, x)
+    if not (has_compiled_extension() and hasattr(torch.ops.omni_kernels, "sage_quantize_qkv")):
+        pytest.skip("no compiled extension with sage_quantize_qkv")
+    with FakeTensorMode():
+        q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16, device="cuda")
+        outs = torch.ops.omni_kernels.sage_quantize_qkv(q, k, k, True, None, True)
+        shapes = [tuple(o.shape) for o in outs]
+    assert shapes == [(2, 4, 300, 128), (2, 4, 300), (2, 4, 300), (2, 2, 256, 128), (2, 2, 2),
+                      (2, 2, 128), (2, 2, 128, 256), (2, 2, 128)]
+    assert outs[6].dtype == torch.float8_e4m3fn and outs[0].dtype == torch.int8
+
+
 def test_kernel_refuses_the_other_v_order(inputs):
     """The Triton kernel reads natural-order V^T; handing it permuted V^T is an error."""
     q = inputs.activations((1, 2, 16, 64), torch.float32)
@@ -685,3 +712,44 @@ def test_gpu_sm90_backend_through_attention():
         scores = q[b].float() @ k[b, :, :n].float().repeat_interleave(4, 0).transpose(-1, -2)
         exact_lse = torch.logsumexp(scores / math.sqrt(128), dim=-1)
         assert (lse[b] - exact_lse).abs().max().item() <= 0.15
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("permute_v", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_cuda_quantizer_matches_reference(layout, dtype, permute_v):
+    """The CUDA quantizer gives the reference's bytes (Q codes and V's FP8 exactly, K codes
+    within one step: the mean is summed in another order), the Triton quantizer's Q/V bytes,
+    and the same bytes on a second run. GQA, an odd key count, key lengths with an empty
+    sample."""
+    from omni_kernels.attention.quantized.quantize_cuda import (
+        cuda_quantize_unsupported_reason,
+        quantize_qkv_cuda,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    q, _, _ = dit_like_qkv(gen, (3, 4, 1001, 128), dtype, "cuda")
+    _, k, v = dit_like_qkv(gen, (3, 2, 3001, 128), dtype, "cuda")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    reason = cuda_quantize_unsupported_reason(q, k, v)
+    if reason is not None:
+        pytest.skip(reason)
+    lengths = torch.tensor([3001, 1234, 0], device="cuda")
+    got = quantize_qkv_cuda(q, k, v, layout=layout, key_lengths=lengths, permute_v=permute_v)
+    ref = quantize_qkv_reference(q, k, v, layout=layout, block_n=128, key_lengths=lengths,
+                                 permute_v=permute_v)
+    tri = quantize_qkv(q, k, v, layout=layout, block_n=128, key_lengths=lengths, permute_v=permute_v)
+    assert got.v_permuted == permute_v
+    assert torch.equal(got.q_int8, ref.q_int8) and torch.equal(got.q_scale, ref.q_scale)
+    for name in ("k_scale", "k_mean", "v_scale"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.q_kmean, ref.q_kmean, rtol=1e-4, atol=1e-3)
+    assert (got.k_int8.int() - ref.k_int8.int()).abs().max().item() <= 1
+    _assert_same_bytes(got.v_fp8, ref.v_fp8, "v_fp8")
+    _assert_same_bytes(got.v_fp8, tri.v_fp8, "v_fp8 (vs Triton)")
+    assert torch.equal(got.q_int8, tri.q_int8)
+    again = quantize_qkv_cuda(q, k, v, layout=layout, key_lengths=lengths, permute_v=permute_v)
+    for name in ("q_int8", "q_scale", "q_kmean", "k_int8", "k_scale", "k_mean", "v_fp8", "v_scale"):
+        _assert_same_bytes(getattr(again, name), getattr(got, name), f"{name} (run to run)")
