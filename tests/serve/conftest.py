@@ -38,7 +38,7 @@ def pytest_report_header(config):
     return SERVE_STACK_MISSING
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER_LIFETIME_S = 240
+SERVER_LIFETIME_S = 420
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,9 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 60.0) -> dict:
+    def wait_ready(self, timeout: float = 180.0) -> dict:
+        # Ready in ~10 s on an idle 2-core machine; a loaded one (a compile beside the tests)
+        # once took over 60 s just to import torch. Not a speed check: only a bound on a hang.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
