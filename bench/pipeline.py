@@ -64,6 +64,8 @@ Variants (each applied to the same model and undone before the next):
 (e) ``omni_fp8_sage``: (d) with omni's quantized attention (``attention="omni_sage"``,
     lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
 (f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
+(e1) ``omni_fp8_sage_sm90`` (only when asked for with ``--variants``): (e) with omni's Hopper
+    CUDA kernel (``attention="omni_sage_sm90"``: wgmma, TMA, CUDA quantization).
 
 Per variant: the first call (includes compilation) in seconds, then the median
 (and min) forward time over ``--iters`` calls after ``--warmup`` calls (CUDA
@@ -111,15 +113,16 @@ from bench._environment import base_environment, device_slug, gpu_refusal  # noq
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope",
             "omni_fp8_sage", "fp8_sageattention", "omni_fp8_eager", "omni_fp8_unfused_norms",
-            "omni_fp8_int8_modulation", "omni_fp8_int8_modulation_cuda_graphs")
+            "omni_fp8_int8_modulation", "omni_fp8_int8_modulation_cuda_graphs", "omni_fp8_sage_sm90")
 # Activation-quantization and launch experiments, run only when --variants names them.
 _OPT_IN_VARIANTS = ("omni_fp8_kernel_quant", "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs",
                     "omni_fp8_diffusers_norm_rope", "omni_fp8_eager", "omni_fp8_unfused_norms",
-                    "omni_fp8_int8_modulation", "omni_fp8_int8_modulation_cuda_graphs")
+                    "omni_fp8_int8_modulation", "omni_fp8_int8_modulation_cuda_graphs", "omni_fp8_sage_sm90")
 #: run unless --variants names others (each compiled variant costs minutes of compilation)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in _OPT_IN_VARIANTS)
 # Quantized-attention variants: the attention backend each one names.
-_QUANTIZED_ATTENTION = {"omni_fp8_sage": "omni_sage", "fp8_sageattention": "sageattention"}
+_QUANTIZED_ATTENTION = {"omni_fp8_sage": "omni_sage", "fp8_sageattention": "sageattention",
+                        "omni_fp8_sage_sm90": "omni_sage_sm90"}
 VARIANT_LABELS = {
     "eager": "(a) diffusers eager",
     "diffusers_compile": "(b) diffusers compile_repeated_blocks",
@@ -137,6 +140,7 @@ VARIANT_LABELS = {
     "omni_fp8_unfused_norms": "(d7) (d), each layer quantizing its LayerNorm + adaLN input itself (fuse_norms=False)",
     "omni_fp8_int8_modulation": "(d8) (d), adaLN modulation linears INT8 weight-only (Triton GEMV) instead of bf16",
     "omni_fp8_int8_modulation_cuda_graphs": "(d9) (d8) + CUDA graphs",
+    "omni_fp8_sage_sm90": "(e1) (e) with the Hopper CUDA quantized attention kernel (omni_sage_sm90)",
 }
 
 
