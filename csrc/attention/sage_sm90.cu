@@ -138,6 +138,19 @@ __device__ __forceinline__ void wgmma_wait_all() {
       "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]),          \
       "+r"(d[62]), "+r"(d[63])
 
+#define OMNI_WGMMA_F64(d)                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),          \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),          \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),          \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),          \
+      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),          \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),          \
+      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),          \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),          \
+      "+f"(d[62]), "+f"(d[63])
+
 #define OMNI_WGMMA_D64_LIST                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "    \
@@ -157,18 +170,19 @@ __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uin
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// d[64] (float32 bits, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
-__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[64], const uint32_t (&a)[4],
+// d[64] (float32, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
                                               uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " OMNI_WGMMA_D64_LIST
       ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : OMNI_WGMMA_D64(d)
+      : OMNI_WGMMA_F64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
 #undef OMNI_WGMMA_D64
+#undef OMNI_WGMMA_F64
 #undef OMNI_WGMMA_D64_LIST
 
 template <uint32_t kRegisters>
@@ -361,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // ---- this block's P V in a fresh float32 tile
-    uint32_t pv[64];
+    float pv[64];
     mbar_wait(&smem.v_full[stage], parity);
     const uint64_t v_desc = tile_descriptor(smem.v[stage]);
     wgmma_fence();
@@ -372,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, __uint_as_float(pv[i]));
+      o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
     }
   }
 
