@@ -35,15 +35,11 @@ namespace omni {
 namespace attention {
 namespace {
 
-constexpr int kBlockM = 128;         // query rows a CTA
-constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
+constexpr int kBlockM = 128;  // query rows a CTA
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kStages = 3;
 constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
-constexpr int kConsumerThreads = 128 * kConsumers;
-constexpr float kShift = 8.807354922057604f;  // log2(448)
-constexpr float kLn2 = 0.6931471805599453f;
 
 struct SharedStorage {
   alignas(1024) uint8_t q[kTileBytes];
@@ -56,6 +52,11 @@ struct SharedStorage {
 };
 
 #ifdef OMNI_SAGE_SM90_DEVICE
+
+constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
+constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr float kShift = 8.807354922057604f;  // log2(448)
+constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
