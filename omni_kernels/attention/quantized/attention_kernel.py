@@ -52,7 +52,7 @@ from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.quantize_cuda import (
     cuda_quantize_unsupported_reason,
-    quantize_qkv_cuda,
+    quantize_qkv_cuda_checked,
 )
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
@@ -487,7 +487,7 @@ def sage_attention_forward(
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
     if cfg.kernel == "cuda_sm90" and cuda_quantize_unsupported_reason(q, k, v) is None:
-        qkv = quantize_qkv_cuda(q, k, v, layout=layout, key_lengths=key_lengths, permute_v=True)
+        qkv = quantize_qkv_cuda_checked(q, k, v, layout=layout, key_lengths=key_lengths, permute_v=True)
     else:
         qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths,
                            permute_v=cfg.kernel == "cuda_sm90")
