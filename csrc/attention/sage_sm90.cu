@@ -77,8 +77,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// Waits for the phase of `bar` with this parity to complete. A wait that outlasts ~2^36 cycles
+// (~35 s; a tile's data takes microseconds) is a pipeline bug: trap, so the launch fails with an
+// error instead of hanging the GPU.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
+  const long long start = clock64();
   do {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -87,6 +91,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "=r"(done)
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
+    if (!done && clock64() - start > (1ll << 36)) __trap();
   } while (!done);
 }
 

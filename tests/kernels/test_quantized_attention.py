@@ -753,3 +753,45 @@ def test_gpu_cuda_quantizer_matches_reference(layout, dtype, permute_v):
     again = quantize_qkv_cuda(q, k, v, layout=layout, key_lengths=lengths, permute_v=permute_v)
     for name in ("q_int8", "q_scale", "q_kmean", "k_int8", "k_scale", "k_mean", "v_fp8", "v_scale"):
         _assert_same_bytes(getattr(again, name), getattr(got, name), f"{name} (run to run)")
+
+
+def _sm90_on(qkv, scale, lengths=None):
+    out = torch.full((*qkv.q_int8.shape[:3], 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    sage_attention_quantized(qkv, out, layout="bhsd", scale=scale, key_lengths=lengths,
+                             config=CUDA_SM90_CONFIG)
+    torch.cuda.synchronize()
+    return out.float()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_sm90_uniform_attention_isolates_pv():
+    """q = 0: every score is 0, P is 448 for every key, and out is the mean of the quantized V
+    over the valid keys. This checks the P V product, V^T's TMA tile and its key permutation
+    apart from Q K^T (a failure here and not in the QK test below points at the PV side)."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    _, k, v = dit_like_qkv(gen, (1, 2, 300, 128), torch.bfloat16, "cuda")
+    q = torch.zeros(1, 2, 130, 128, device="cuda", dtype=torch.bfloat16)
+    qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
+    out = _sm90_on(qkv, 0.0883883)
+    _, _, v_deq = dequantize_qkv(qkv)
+    expected = v_deq.mean(dim=2, keepdim=True).expand_as(out)
+    rel = ((out - expected).norm() / expected.norm()).item()
+    assert rel <= 1e-2, f"rel {rel:.3e}: the PV side (V^T tile, key permutation, A fragments)"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_sm90_identity_values_isolate_qk():
+    """128 keys and V = 16 x identity: out[i, j] = 16 * softmax(S)[i, j], so the output *is*
+    the attention matrix, row by row, against the reference's probabilities. Checks Q K^T (the
+    K tile, the s8 wgmma, the per-row and per-block scales) and the softmax."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, k, _ = dit_like_qkv(gen, (1, 1, 128, 128), torch.bfloat16, "cuda")
+    v = (16 * torch.eye(128, device="cuda", dtype=torch.bfloat16))[None, None]
+    qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
+    out = _sm90_on(qkv, 0.0883883)
+    ref = quantized_attention_reference(qkv, scale=0.0883883)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-2, f"rel {rel:.3e}: the QK side (K tile, s8 wgmma, scales, softmax)"
+    assert torch.allclose(out.sum(-1), torch.full_like(out.sum(-1), 16.0), rtol=5e-2)
