@@ -477,8 +477,10 @@ template <typename OutT>
 cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
   auto* kernel = &sage_sm90_kernel<OutT>;
   cudaFuncAttributes attributes;
-  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no sm_90a image: an error
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no image at all: an error
   if (err != cudaSuccess) return err;
+  // An image JIT-compiled from older PTX (compute_80/89) has the trapping body: refuse it.
+  if (attributes.ptxVersion < 90) return cudaErrorNoKernelImageForDevice;
   EncodeTiledFn encode = nullptr;
   if ((err = encode_tiled_function(&encode)) != cudaSuccess) return err;
   CUtensorMap q_map, k_map, v_map;
