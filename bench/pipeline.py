@@ -602,6 +602,8 @@ def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
         f"command: `{env['command']}`",
         "",
     ]
+    if env.get("models_not_run"):
+        lines += [f"Partial report: not run yet: {', '.join(env['models_not_run'])}.", ""]
     for info in infos:
         auto = info.get("auto_attention") or {}
         lines.append(f"- **{info['model']}**: {info['description']}; {info['params_billion']}B params; "
@@ -675,7 +677,24 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows: list[dict] = []
     infos: list[dict] = []
-    for key in args.models:
+    subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
+    if args.smoke:
+        subset += "-smoke"
+    stem = f"pipeline{subset}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_report(models_left: list[str]) -> str:
+        # Written after every model: a run cut short (a time limit) keeps the models it finished.
+        env["wall_s"] = round(time.perf_counter() - started, 1)
+        env["models_not_run"] = models_left
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(
+            dict(environment=env, models=infos, results=rows, targets=targets(rows)),
+            indent=2, default=str) + "\n")
+        md = markdown(env, infos, rows)
+        (args.out_dir / f"{stem}.md").write_text(md + "\n")
+        return md
+
+    for index, key in enumerate(args.models):
         try:
             model_rows, info = run_model(specs[key], variants, device, dtype, args)
             rows += model_rows
@@ -685,18 +704,7 @@ def main(argv=None) -> int:
                              status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
                              traceback=traceback.format_exc()[-3000:]))
             print(rows[-1]["traceback"], file=sys.stderr)
-    env["wall_s"] = round(time.perf_counter() - started, 1)
-
-    subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
-    if args.smoke:
-        subset += "-smoke"
-    stem = f"pipeline{subset}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, models=infos, results=rows, targets=targets(rows)),
-        indent=2, default=str) + "\n")
-    md = markdown(env, infos, rows)
-    (args.out_dir / f"{stem}.md").write_text(md + "\n")
+        md = write_report(list(args.models[index + 1:]))
     print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
     print(md)
     failed = [r for r in rows if str(r.get("status", "")).startswith("error")]
