@@ -93,6 +93,29 @@ def _cuda_cmake_hints(cuda_home: str) -> list[str]:
     return hints
 
 
+def _loaded_libstdcxx() -> str | None:
+    """The shared C++ runtime this process (torch) has loaded, from /proc/self/maps (Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _private_cxx_runtime_symbols(library: Path) -> list[str]:
+    """C++ runtime entry points ``library`` defines itself (a static libstdc++ linked in)."""
+    if not shutil.which("nm"):
+        return []
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True)
+    wanted = {"__cxa_throw", "__gxx_personality_v0", "__cxa_begin_catch"}
+    return sorted({line.split()[-1] for line in listing.stdout.splitlines() if line.split()[-1:] and
+                   line.split()[-1] in wanted})
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str) -> None:
         super().__init__(name, sources=[])
@@ -136,6 +159,9 @@ class CMakeBuild(build_ext):
             # Torch's CMake config still runs the legacy FindCUDA, which reads this variable.
             args.append(f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}")
             args.extend(_cuda_cmake_hints(cuda_home))
+        runtime = _loaded_libstdcxx()
+        if runtime:
+            args.append(f"-DOMNI_RUNTIME_LIBSTDCXX={runtime}")
         env = dict(os.environ)
         if gpu_lang == "CUDA":
             env["CUDA_HOME"] = _find_cuda_home()
@@ -146,6 +172,12 @@ class CMakeBuild(build_ext):
             ["cmake", "--build", ".", "--config", config, "--parallel", jobs],
             cwd=build_temp, env=env, check=True,
         )
+        for library in out_dir.glob("_C*.so"):
+            private = _private_cxx_runtime_symbols(library)
+            if private:
+                print(f"omni: WARNING: {library.name} defines {', '.join(private)} itself (a static C++ "
+                      "runtime linked in): errors raised in C++ may crash the process instead of "
+                      "reaching Python. Build with a compiler that has a shared libstdc++.")
 
 
 setup(

@@ -1,7 +1,7 @@
 """``torch.library`` registration of the quantized attention forward.
 
-``torch.ops.omni_kernels.sage_attention_fwd(q, k, v, layout, scale, key_lengths, kernel)
--> (out, lse)`` wraps :func:`.attention_kernel.sage_attention_forward` (quantize
+``torch.ops.omni_kernels.sage_attention_fwd(q, k, v, layout, scale, key_lengths,
+implementation) -> (out, lse)`` wraps :func:`.attention_kernel.sage_attention_forward` (quantize
 + attend) as one opaque node for ``torch.compile``. The fake implementation
 gives ``out`` with ``q``'s shape and dtype, contiguous in ``layout`` (as the real
 one allocates it), and ``lse`` float32 ``[B, Hq, Sq]``. Functional, forward-only.
@@ -28,30 +28,32 @@ def sage_attention_fwd(
     layout: str,
     scale: float,
     key_lengths: Optional[torch.Tensor],
-    kernel: str = "triton",
+    implementation: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: out contiguous in ``layout``, lse float32 ``[B, Hq, Sq]``.
 
-    ``kernel``: ``"triton"`` (the default config of the Triton kernel) or ``"cuda_sm90"``
-    (the Hopper wgmma kernel, :data:`~.attention_kernel.CUDA_SM90_CONFIG`)."""
+    ``implementation``: ``"triton"`` (the default config of the Triton kernel) or
+    ``"cuda_sm90"`` (the Hopper wgmma kernel, :data:`~.attention_kernel.CUDA_SM90_CONFIG`).
+    Not called ``kernel``: Inductor passes the op itself to its fallback as ``kernel=``, and an
+    argument of that name breaks the lowering under ``torch.compile``."""
     from omni_kernels.attention.quantized.attention_kernel import (
         CUDA_SM90_CONFIG,
         KERNELS,
         sage_attention_forward,
     )
 
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    if implementation not in KERNELS:
+        raise ValueError(f"implementation must be one of {KERNELS}; got {implementation!r}")
     out_shape, _ = output_shapes(q, layout)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     return sage_attention_forward(
         q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=True, out=out,
-        config=CUDA_SM90_CONFIG if kernel == "cuda_sm90" else None,
+        config=CUDA_SM90_CONFIG if implementation == "cuda_sm90" else None,
     )
 
 
 @sage_attention_fwd.register_fake
-def _(q, k, v, layout, scale, key_lengths, kernel="triton"):
+def _(q, k, v, layout, scale, key_lengths, implementation="triton"):
     out_shape, lse_shape = output_shapes(q, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
