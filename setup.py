@@ -180,7 +180,8 @@ class CMakeBuild(build_ext):
                       "reaching Python. Build with a compiler that has a shared libstdc++.")
 
 
-setup(
-    ext_modules=[CMakeExtension("omni_kernels._C")],
-    cmdclass={"build_ext": CMakeBuild},
-)
+if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; tests import the helpers
+    setup(
+        ext_modules=[CMakeExtension("omni_kernels._C")],
+        cmdclass={"build_ext": CMakeBuild},
+    )

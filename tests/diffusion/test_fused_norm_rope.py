@@ -270,10 +270,11 @@ def test_gpu_wan_processor_at_14b_width():
     run in float32, with diffusers' bf16 error beside it; eager and compiled."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (CUDA); torch.cuda.is_available() is False")
-    from diffusers.models.transformers.transformer_wan import WanAttention, WanRotaryPosEmbed
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanRotaryPosEmbed
 
     torch.manual_seed(0)
-    attn = WanAttention(dim=5120, heads=40, dim_head=128, eps=1e-6)
+    # diffusers' WanAttention has no processor unless given one (its blocks pass WanAttnProcessor).
+    attn = WanAttention(dim=5120, heads=40, dim_head=128, eps=1e-6, processor=WanAttnProcessor())
     with torch.no_grad():
         for norm in (attn.norm_q, attn.norm_k):
             norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
