@@ -85,6 +85,8 @@ CONFIGS = [
     C(64, 64, 4, 4),                                        # 8
     C(64, 64, 4, 4, use_tma=True),                          # 9
     CUDA_SM90_CONFIG,                                       # 10: the Hopper CUDA (wgmma) kernel
+    C(64, 128, 4, 3, score_bias=True),                      # 11: 0 without the int-to-float conversion
+    C(128, 128, 8, 3, score_bias=True),                     # 12: 4 likewise
 ]
 CHECK_HEADS = 2
 CHECK_QUERIES = 1024

@@ -57,6 +57,13 @@ constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr float kShift = 8.807354922057604f;  // log2(448)
 constexpr float kLn2 = 0.6931471805599453f;
+// S starts from the bits of the float 1.5 * 2^23 instead of 0. |Q K^T| <= 127 * 127 * 128 < 2^22,
+// so every sum stays in [2^23, 2^24), where a float's ulp is 1: the int32 accumulator *is* the
+// float 1.5 * 2^23 + s, and s = that - 1.5 * 2^23 exactly (one full-rate FADD). The conversion
+// instruction it replaces (I2F) runs at a quarter of the FMA rate, like ex2: it was a third of
+// the softmax's special-function work. Integer order of the bits is float order (one binade).
+constexpr uint32_t kScoreBiasBits = 0x4B400000u;
+constexpr float kScoreBias = 12582912.0f;  // 1.5 * 2^23
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -148,17 +155,14 @@ __device__ __forceinline__ void wgmma_wait_all() {
   "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "    \
   "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// d[64] (int32, m64n128) (+)= A (s8, shared) x B (s8, shared)^T over 32 of K.
-// accumulate == 0 starts a fresh sum (the instruction's own zeroing: writing the accumulator
-// with ordinary instructions would make ptxas serialize the wgmma).
-__device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                         int accumulate) {
+// d[64] (int32, m64n128) += A (s8, shared) x B (s8, shared)^T over 32 of K. The caller sets d
+// (to the score bias) before the wgmma fence that opens the group.
+__device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " OMNI_WGMMA_D64_LIST
-      ", %64, %65, p;\n}\n"
+      ", %64, %65, 1;\n"
       : OMNI_WGMMA_ACC64("+r", d)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+      : "l"(desc_a), "l"(desc_b));
 }
 
 // d[64] (float32, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
@@ -297,13 +301,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int stage = j % kStages;
     const uint32_t parity = (j / kStages) & 1;
     const float k_factor = __ldg(k_scale + j) * p.qk_scale;
-    // ---- S = Q K^T, exact int32
+    // ---- S = Q K^T, exact int32, on top of the score bias (kScoreBiasBits)
     uint32_t s[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = kScoreBiasBits;
     mbar_wait(&smem.k_full[stage], parity);
     const uint64_t k_desc = tile_descriptor(smem.k[stage]);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
+    for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk);
     wgmma_commit();
     wgmma_wait_all();
 
@@ -312,11 +318,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // accumulator with ordinary instructions makes ptxas serialize the wgmma that reuses it.
     const bool masked = (j + 1) * kSageBlockN > kv_len;
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // column 8c + 2t + e is valid if < this
-    int max_lo = INT32_MIN, max_hi = INT32_MIN;
+    // The max runs on the biased bits (integer order is score order); 0 stands for "masked".
+    int max_lo = 0, max_hi = 0;
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? INT32_MIN
-                                                                    : static_cast<int>(s[i]);
+      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? 0 : static_cast<int>(s[i]);
       if ((i / 2) % 2 == 0) {
         max_lo = max(max_lo, v);
       } else {
@@ -331,8 +337,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The reference's rounding order: q_scale * (k_scale * scale * log2(e)). factor >= 0, so
     // max(s) * factor == max(s * factor).
     const float f_lo = q_scale_lo * k_factor, f_hi = q_scale_hi * k_factor;
-    const float m_new_lo = fmaxf(m_lo, static_cast<float>(max_lo) * f_lo - kShift);
-    const float m_new_hi = fmaxf(m_hi, static_cast<float>(max_hi) * f_hi - kShift);
+    // A row with every key of this block masked keeps its max.
+    const float block_max_lo =
+        max_lo == 0 ? -1.0e30f : (__int_as_float(max_lo) - kScoreBias) * f_lo - kShift;
+    const float block_max_hi =
+        max_hi == 0 ? -1.0e30f : (__int_as_float(max_hi) - kScoreBias) * f_hi - kShift;
+    const float m_new_lo = fmaxf(m_lo, block_max_lo);
+    const float m_new_hi = fmaxf(m_hi, block_max_hi);
     const float alpha_lo = fast_exp2(m_lo - m_new_lo), alpha_hi = fast_exp2(m_hi - m_new_hi);
     m_lo = m_new_lo;
     m_hi = m_new_hi;
@@ -341,8 +352,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       const bool hi = (i / 2) % 2 == 1;
-      float e = fast_exp2(
-          fmaf(static_cast<float>(static_cast<int>(s[i])), hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
+      const float score = __uint_as_float(s[i]) - kScoreBias;  // exact: the int32 sum
+      float e = fast_exp2(fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
       if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
       pf[i] = e;
       if (hi) {

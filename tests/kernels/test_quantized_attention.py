@@ -263,6 +263,27 @@ def test_other_block_shape_and_interpreter_config(inputs, rel_err):
     assert rel_err(out, ref) <= 1e-5
 
 
+def test_score_bias_gives_the_same_scores(inputs, rel_err):
+    """``score_bias``: S's int32 accumulator starts from the bits of 1.5 * 2^23, and the scores
+    are read back by reinterpreting and subtracting: the same floats as the conversion, so the
+    same output and LSE, bit for bit. Key lengths (the masked last block, an empty sample),
+    GQA, an odd query count, outlier channels near the int8 extremes."""
+    b, hq, hkv, sq, skv, d = 3, 4, 2, 37, 45, 64
+    q = inputs.activations((b, hq, sq, d), torch.float32)
+    k = inputs.activations((b, hkv, skv, d), torch.float32)
+    v = inputs.activations((b, hkv, skv, d), torch.float32)
+    lengths = torch.tensor([45, 19, 0])
+    plain, plain_lse = sage_attention_forward(q, k, v, key_lengths=lengths, return_lse=True,
+                                              config=SageConfig(16, 16, 4, 1))
+    biased, biased_lse = sage_attention_forward(q, k, v, key_lengths=lengths, return_lse=True,
+                                                config=SageConfig(16, 16, 4, 1, score_bias=True))
+    assert torch.equal(biased, plain) and torch.equal(biased_lse, plain_lse)
+    ref = quantized_attention_reference(quantize_qkv_reference(q, k, v, block_n=16, key_lengths=lengths),
+                                        scale=1 / math.sqrt(d), key_lengths=lengths)
+    assert rel_err(biased, ref) <= 1e-5
+    assert "+bias" in SageConfig(64, 128, 4, 3, score_bias=True).describe()
+
+
 def test_tma_descriptor_path_in_interpreter(inputs, rel_err):
     """``use_tma``: Q, K and V^T through tensor descriptors (the interpreter
     emulates them) gives the pointer path's result; int32 coordinates."""
@@ -521,7 +542,7 @@ def test_gpu_accuracy_at_benchmark_shapes(shape_name):
 
 
 GPU_CONFIGS = [None, SageConfig(64, 128, 4, 3, use_tma=True), SageConfig(128, 128, 8, 3),
-               SageConfig(128, 128, 8, 3, use_tma=True)]
+               SageConfig(128, 128, 8, 3, use_tma=True), SageConfig(64, 128, 4, 3, score_bias=True)]
 
 
 @pytest.mark.gpu

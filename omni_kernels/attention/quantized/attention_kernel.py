@@ -66,6 +66,12 @@ HEAD_DIMS = (64, 128)
 MIN_CAPABILITY = (8, 9)
 _LN2 = tl.constexpr(0.6931471805599453)
 _SHIFT = tl.constexpr(LOG2_FP8_MAX)
+# Scores start from the bits of the float 1.5 * 2^23 (SageConfig.score_bias): |Q K^T| < 2^22 for
+# int8 codes and D <= 128, so the int32 sum stays in [2^23, 2^24), where a float's ulp is 1 and
+# its bits read as the float 1.5 * 2^23 + s; one subtraction gives s exactly, without the
+# int-to-float conversion (a quarter-rate instruction, like exp2, on Hopper).
+_SCORE_BIAS_BITS = tl.constexpr(0x4B400000)
+_SCORE_BIAS = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -75,6 +81,7 @@ def _sage_range(
     offs_n, lo, hi, kv_len, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SCORE_BIAS: tl.constexpr,
 ):
     """Online softmax over key blocks ``[lo, hi)``; ``MASKED`` masks keys ``>= kv_len``.
 
@@ -89,9 +96,14 @@ def _sage_range(
             k = k_desc.load([k_row0 + start_n, 0])
         else:
             k = tl.load(k_ptrs + start_n.to(tl.int64) * HEAD_DIM)
-        s_int = tl.dot(q, tl.trans(k))  # int8 x int8 -> int32, exact
+        if SCORE_BIAS:
+            bias = tl.full((q.shape[0], BLOCK_N), _SCORE_BIAS_BITS, tl.int32)
+            s_int = tl.dot(q, tl.trans(k), acc=bias)  # int8 x int8 -> int32, exact, biased
+            s = s_int.to(tl.float32, bitcast=True) - _SCORE_BIAS
+        else:
+            s_int = tl.dot(q, tl.trans(k))  # int8 x int8 -> int32, exact
+            s = s_int.to(tl.float32)
         factor = row_scale * (tl.load(ks_ptr + start_n // BLOCK_N) * qk_scale)  # >= 0
-        s = s_int.to(tl.float32)
         # m is kept shifted by log2(448): p = exp2(s - m) fills FP8's [0, 448]
         if MASKED:
             s = tl.where((start_n + offs_n)[None, :] < kv_len, s * factor[:, None], float("-inf"))
@@ -126,7 +138,7 @@ def _sage_fwd_kernel(
     scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KEY_LENGTHS: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-    EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SCORE_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
@@ -170,12 +182,12 @@ def _sage_fwd_kernel(
     acc, l_i, m_i = _sage_range(
         acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, 0, full_end, kv_len, qk_scale,
-        HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8, WARP_SPECIALIZE, SCORE_BIAS,
     )
     acc, l_i, m_i = _sage_range(
         acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, full_end, kv_len, kv_len, qk_scale,
-        HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8, False,
+        HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8, False, SCORE_BIAS,
     )
 
     has_keys = l_i > 0.0
@@ -212,7 +224,13 @@ class SageConfig:
     ``"cuda_sm90"`` (the wgmma kernel of ``csrc/attention/sage_sm90.cu``: Hopper,
     head_dim 128, needs the compiled extension; its tile is fixed at 128 x 128 with
     three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
-    ``num_warps``/``num_stages``/``use_tma``/``warp_specialize`` describe nothing).
+    ``num_warps``/``num_stages``/``use_tma``/``warp_specialize``/``score_bias`` describe
+    nothing: it always reads scores through the bias).
+
+    ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
+    ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
+    float32 values without an int-to-float conversion per score (off by default until it is
+    measured faster on the GPU).
     """
 
     block_m: int
@@ -222,6 +240,9 @@ class SageConfig:
     use_tma: bool = False  # K, V^T, Q through host-built TMA descriptors (sm_90+)
     warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
     kernel: str = "triton"
+    # S's int32 accumulator starts from a float bias, so the scores reach float32 without an
+    # int-to-float conversion (same values; the CUDA kernel always does this).
+    score_bias: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -234,7 +255,8 @@ class SageConfig:
         if self.kernel == "cuda_sm90":
             return "cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups)"
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
-                + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else ""))
+                + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
+                + ("+bias" if self.score_bias else ""))
 
 
 CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
@@ -414,6 +436,7 @@ def sage_attention_quantized(
             EMULATE_FP8=triton_interpreter_enabled(),
             # the interpreter has no warp specialization (the loop is the same)
             WARP_SPECIALIZE=bool(cfg.warp_specialize) and not triton_interpreter_enabled(),
+            SCORE_BIAS=bool(cfg.score_bias),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out
