@@ -134,8 +134,10 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most kPending committed wgmma groups of this warpgroup are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
 // The 64 accumulator operands of an m64n128 wgmma; C is the constraint ("+r" or "+f").
@@ -212,6 +214,109 @@ __device__ __forceinline__ void store_pair<__half>(__half* dst, float a, float b
   *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
 }
 
+// ---- the steps of one key block, for one consumer warpgroup (64 query rows)
+
+// s = Q K^T on top of the score bias, 4 x m64n128k32 s8; opens a wgmma group (the fence also
+// orders this thread's earlier register writes, P's fragments included, before the MMAs).
+__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = kScoreBiasBits;
+  wgmma_fence();
+  const uint64_t k_desc = tile_descriptor(k_tile);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk);
+}
+
+// pv = P V^T-tile, 4 x m64n128k32 e4m3 with P from registers; a fresh sum (the FP8 MMA's own
+// accumulator never carries across blocks). The caller fences first.
+__device__ __forceinline__ void issue_pv(float (&pv)[64], const uint32_t (&pa)[4][4],
+                                         const uint8_t* v_tile) {
+  const uint64_t v_desc = tile_descriptor(v_tile);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
+}
+
+// Online softmax state of this thread's two rows (g and g + 8), base 2, the max kept shifted by
+// log2(448) so P fills FP8's range; l is this thread's share of the row sum (reduced at the end).
+struct RowSoftmax {
+  float q_scale_lo, q_scale_hi;
+  // m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf).
+  float m_lo = -1.0e30f, m_hi = -1.0e30f;
+  float l_lo = 0.0f, l_hi = 0.0f;
+
+  // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
+  // Keys past kv_len (the last block only) are masked. s is only read here.
+  __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
+                                       float k_factor, int t, float& alpha_lo, float& alpha_hi) {
+    const bool masked = (j + 1) * kSageBlockN > kv_len;
+    const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
+    // The max runs on the biased bits (integer order is score order); 0 stands for "masked".
+    int max_lo = 0, max_hi = 0;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? 0 : static_cast<int>(s[i]);
+      if ((i / 2) % 2 == 0) {
+        max_lo = max(max_lo, v);
+      } else {
+        max_hi = max(max_hi, v);
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, offset));
+      max_hi = max(max_hi, __shfl_xor_sync(0xffffffffu, max_hi, offset));
+    }
+    // The reference's rounding order: q_scale * (k_scale * scale * log2(e)). factor >= 0, so
+    // max(s) * factor == max(s * factor). A row with this block all masked keeps its max.
+    const float f_lo = q_scale_lo * k_factor, f_hi = q_scale_hi * k_factor;
+    const float block_max_lo =
+        max_lo == 0 ? -1.0e30f : (__int_as_float(max_lo) - kScoreBias) * f_lo - kShift;
+    const float block_max_hi =
+        max_hi == 0 ? -1.0e30f : (__int_as_float(max_hi) - kScoreBias) * f_hi - kShift;
+    const float m_new_lo = fmaxf(m_lo, block_max_lo);
+    const float m_new_hi = fmaxf(m_hi, block_max_hi);
+    alpha_lo = fast_exp2(m_lo - m_new_lo);
+    alpha_hi = fast_exp2(m_hi - m_new_hi);
+    m_lo = m_new_lo;
+    m_hi = m_new_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const bool hi = (i / 2) % 2 == 1;
+      const float score = __uint_as_float(s[i]) - kScoreBias;  // exact: the int32 sum
+      float e = fast_exp2(fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
+      if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
+      pf[i] = e;
+      if (hi) {
+        sum_hi += e;
+      } else {
+        sum_lo += e;
+      }
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
+  }
+};
+
+// P to e4m3 A fragments, k-step kk = keys [32kk, 32kk + 32) in V^T's permuted order.
+__device__ __forceinline__ void pack_p(const float (&pf)[64], uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const float* c0 = pf + 16 * kk;  // chunk 4kk: [row g: 2 values][row g+8: 2 values]
+    pa[kk][0] = e4m3x2(c0[0], c0[1]) | (e4m3x2(c0[4], c0[5]) << 16);
+    pa[kk][1] = e4m3x2(c0[2], c0[3]) | (e4m3x2(c0[6], c0[7]) << 16);
+    pa[kk][2] = e4m3x2(c0[8], c0[9]) | (e4m3x2(c0[12], c0[13]) << 16);
+    pa[kk][3] = e4m3x2(c0[10], c0[11]) | (e4m3x2(c0[14], c0[15]) << 16);
+  }
+}
+
+// o = o * alpha + pv, alpha per row (lo: row g, hi: row g + 8).
+__device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], float alpha_lo,
+                                     float alpha_hi) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
+}
+
 #endif  // OMNI_SAGE_SM90_DEVICE
 
 template <typename OutT>
@@ -270,160 +375,88 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
       }
     }
-    return;
-  }
+  } else {
+    // ------------------------------------------------------------------ consumers
+    // (each role one branch of a single if/else: ptxas applies setmaxnreg only so)
+    registers_increase<240>();
+    const int consumer = warpgroup - 1;
+    const int lane = threadIdx.x % 32;
+    const int warp = (threadIdx.x % 128) / 32;
+    const int g = lane / 4;  // this thread's rows: g and g + 8 of its warp's 16
+    const int t = lane % 4;  // and columns 8c + 2t, 8c + 2t + 1 of every 8-column chunk c
+    const int row_lo = m_block * kBlockM + consumer * kRowsPerConsumer + warp * 16 + g;
+    const int row_hi = row_lo + 8;
+    const int64_t q_index = static_cast<int64_t>(bh) * p.shape.seq_q;
+    const float q_scale_lo = row_lo < p.shape.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
+    const float q_scale_hi = row_hi < p.shape.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
+    const float* k_scale =
+        p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN);
 
-  // -------------------------------------------------------------------- consumers
-  registers_increase<240>();
-  const int consumer = warpgroup - 1;
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x % 128) / 32;
-  const int g = lane / 4;  // this thread's rows: g and g + 8 of its warp's 16
-  const int t = lane % 4;  // and columns 8c + 2t, 8c + 2t + 1 of every 8-column chunk c
-  const int row_lo = m_block * kBlockM + consumer * kRowsPerConsumer + warp * 16 + g;
-  const int row_hi = row_lo + 8;
-  const int64_t q_index = static_cast<int64_t>(bh) * p.shape.seq_q;
-  const float q_scale_lo = row_lo < p.shape.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
-  const float q_scale_hi = row_hi < p.shape.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
-  const float* k_scale = p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN);
-
-  // m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf).
-  float m_lo = -1.0e30f, m_hi = -1.0e30f;
-  float l_lo = 0.0f, l_hi = 0.0f;  // this thread's share of the row sums (reduced at the end)
-  float o[64];
+    RowSoftmax rows{q_scale_lo, q_scale_hi};
+    float o[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
 
-  mbar_wait(&smem.q_full, 0);
-  const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
+    mbar_wait(&smem.q_full, 0);
+    const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
+    uint32_t s[64];        // S of the current block (biased int32)
+    float pf[64];          // its probabilities
+    float pv[64];          // P V of one block, a fresh float32 tile
+    uint32_t pa[4][4];     // P of one block as e4m3 A fragments
+    float alpha_lo, alpha_hi;
 
-  for (int j = 0; j < num_n_blocks; ++j) {
-    const int stage = j % kStages;
-    const uint32_t parity = (j / kStages) & 1;
-    const float k_factor = __ldg(k_scale + j) * p.qk_scale;
-    // ---- S = Q K^T, exact int32, on top of the score bias (kScoreBiasBits)
-    uint32_t s[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = kScoreBiasBits;
-    mbar_wait(&smem.k_full[stage], parity);
-    const uint64_t k_desc = tile_descriptor(smem.k[stage]);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk);
-    wgmma_commit();
-    wgmma_wait_all();
-
-    // ---- online softmax (base 2; the max kept shifted by log2(448))
-    // Keys past kv_len (the last block only) are masked. s[] is only read here: writing a wgmma
-    // accumulator with ordinary instructions makes ptxas serialize the wgmma that reuses it.
-    const bool masked = (j + 1) * kSageBlockN > kv_len;
-    const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // column 8c + 2t + e is valid if < this
-    // The max runs on the biased bits (integer order is score order); 0 stands for "masked".
-    int max_lo = 0, max_hi = 0;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? 0 : static_cast<int>(s[i]);
-      if ((i / 2) % 2 == 0) {
-        max_lo = max(max_lo, v);
-      } else {
-        max_hi = max(max_hi, v);
-      }
+    for (int j = 0; j < num_n_blocks; ++j) {
+      const int stage = j % kStages;
+      const uint32_t parity = (j / kStages) & 1;
+      mbar_wait(&smem.k_full[stage], parity);
+      issue_qk(s, q_desc, smem.k[stage]);
+      wgmma_commit();
+      wgmma_wait<0>();
+      rows.exps(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t, alpha_lo, alpha_hi);
+      pack_p(pf, pa);
+      mbar_wait(&smem.v_full[stage], parity);
+      wgmma_fence();
+      issue_pv(pv, pa, smem.v[stage]);
+      wgmma_commit();
+      wgmma_wait<0>();
+      mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
+      fold(o, pv, alpha_lo, alpha_hi);
     }
+    float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = rows.l_lo, l_hi = rows.l_hi;
+    // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
 #pragma unroll
     for (int offset = 1; offset < 4; offset <<= 1) {
-      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, offset));
-      max_hi = max(max_hi, __shfl_xor_sync(0xffffffffu, max_hi, offset));
+      l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
+      l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
     }
-    // The reference's rounding order: q_scale * (k_scale * scale * log2(e)). factor >= 0, so
-    // max(s) * factor == max(s * factor).
-    const float f_lo = q_scale_lo * k_factor, f_hi = q_scale_hi * k_factor;
-    // A row with every key of this block masked keeps its max.
-    const float block_max_lo =
-        max_lo == 0 ? -1.0e30f : (__int_as_float(max_lo) - kScoreBias) * f_lo - kShift;
-    const float block_max_hi =
-        max_hi == 0 ? -1.0e30f : (__int_as_float(max_hi) - kScoreBias) * f_hi - kShift;
-    const float m_new_lo = fmaxf(m_lo, block_max_lo);
-    const float m_new_hi = fmaxf(m_hi, block_max_hi);
-    const float alpha_lo = fast_exp2(m_lo - m_new_lo), alpha_hi = fast_exp2(m_hi - m_new_hi);
-    m_lo = m_new_lo;
-    m_hi = m_new_hi;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
-    float pf[64];
+    const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
+    const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
+    const float* v_scale = p.v_scale + static_cast<int64_t>(kv_bh) * kSageHeadDim;
+    OutT* out_head = static_cast<OutT*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+    OutT* out_lo = out_head + static_cast<int64_t>(row_lo) * p.out_stride_s;
+    OutT* out_hi = out_head + static_cast<int64_t>(row_hi) * p.out_stride_s;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const bool hi = (i / 2) % 2 == 1;
-      const float score = __uint_as_float(s[i]) - kScoreBias;  // exact: the int32 sum
-      float e = fast_exp2(fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
-      if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
-      pf[i] = e;
-      if (hi) {
-        sum_hi += e;
-      } else {
-        sum_lo += e;
+    for (int c = 0; c < 16; ++c) {
+      const int col = 8 * c + 2 * t;
+      const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
+      if (row_lo < p.shape.seq_q) {
+        store_pair(out_lo + col, o[4 * c] * vs.x * inv_lo, o[4 * c + 1] * vs.y * inv_lo);
+      }
+      if (row_hi < p.shape.seq_q) {
+        store_pair(out_hi + col, o[4 * c + 2] * vs.x * inv_hi, o[4 * c + 3] * vs.y * inv_hi);
       }
     }
-    l_lo = l_lo * alpha_lo + sum_lo;
-    l_hi = l_hi * alpha_hi + sum_hi;
-    // P to e4m3 A fragments, k-step kk = keys [32kk, 32kk + 32) in V^T's permuted order.
-    uint32_t pa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const float* c0 = pf + 16 * kk;  // chunk 4kk: [row g: 2 values][row g+8: 2 values]
-      pa[kk][0] = e4m3x2(c0[0], c0[1]) | (e4m3x2(c0[4], c0[5]) << 16);
-      pa[kk][1] = e4m3x2(c0[2], c0[3]) | (e4m3x2(c0[6], c0[7]) << 16);
-      pa[kk][2] = e4m3x2(c0[8], c0[9]) | (e4m3x2(c0[12], c0[13]) << 16);
-      pa[kk][3] = e4m3x2(c0[10], c0[11]) | (e4m3x2(c0[14], c0[15]) << 16);
-    }
-
-    // ---- this block's P V in a fresh float32 tile
-    float pv[64];
-    mbar_wait(&smem.v_full[stage], parity);
-    const uint64_t v_desc = tile_descriptor(smem.v[stage]);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
-    wgmma_commit();
-    wgmma_wait_all();
-    mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
-    }
-  }
-
-  // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
-#pragma unroll
-  for (int offset = 1; offset < 4; offset <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
-  }
-  const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
-  const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
-  const float* v_scale = p.v_scale + static_cast<int64_t>(kv_bh) * kSageHeadDim;
-  OutT* out_head = static_cast<OutT*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
-  OutT* out_lo = out_head + static_cast<int64_t>(row_lo) * p.out_stride_s;
-  OutT* out_hi = out_head + static_cast<int64_t>(row_hi) * p.out_stride_s;
-#pragma unroll
-  for (int c = 0; c < 16; ++c) {
-    const int col = 8 * c + 2 * t;
-    const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
-    if (row_lo < p.shape.seq_q) {
-      store_pair(out_lo + col, o[4 * c] * vs.x * inv_lo, o[4 * c + 1] * vs.y * inv_lo);
-    }
-    if (row_hi < p.shape.seq_q) {
-      store_pair(out_hi + col, o[4 * c + 2] * vs.x * inv_hi, o[4 * c + 3] * vs.y * inv_hi);
-    }
-  }
-  if (p.lse != nullptr && t == 0) {
-    if (row_lo < p.shape.seq_q) {
-      p.lse[q_index + row_lo] =
-          l_lo > 0.0f ? (m_lo + log2f(l_lo)) * kLn2 + p.q_kmean[q_index + row_lo] * p.scale
-                      : -INFINITY;
-    }
-    if (row_hi < p.shape.seq_q) {
-      p.lse[q_index + row_hi] =
-          l_hi > 0.0f ? (m_hi + log2f(l_hi)) * kLn2 + p.q_kmean[q_index + row_hi] * p.scale
-                      : -INFINITY;
+    if (p.lse != nullptr && t == 0) {
+      if (row_lo < p.shape.seq_q) {
+        p.lse[q_index + row_lo] =
+            l_lo > 0.0f ? (m_lo + log2f(l_lo)) * kLn2 + p.q_kmean[q_index + row_lo] * p.scale
+                        : -INFINITY;
+      }
+      if (row_hi < p.shape.seq_q) {
+        p.lse[q_index + row_hi] =
+            l_hi > 0.0f ? (m_hi + log2f(l_hi)) * kLn2 + p.q_kmean[q_index + row_hi] * p.scale
+                        : -INFINITY;
+      }
     }
   }
 #else
