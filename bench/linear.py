@@ -31,7 +31,8 @@ They are bound by reading the weight: their tables give the weight's read bandwi
 weight, 8-bit plus its float32 scales or bf16, over the median time) instead of TFLOP/s, and compare
 bf16 ``F.linear`` with the weight-only layers (and ``omni-fp8``/``omni-int8`` W8A8 for reference).
 
-Every W8A8 time includes the activation quantization. Times are
+Every W8A8 time includes the activation quantization. Times are medians over ``--rounds``
+rounds (default 3; a round times every variant of the shape once, in turn) of
 ``triton.testing.do_bench`` medians (L2 flushed before each call). ``rel err`` is
 against a float32 GEMM of the unquantized operands on the first 2048 rows.
 
@@ -61,6 +62,7 @@ import copy
 import datetime as _dt
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -201,7 +203,7 @@ def _torchao_layer(linear: nn.Linear) -> nn.Module:
     return wrapper
 
 
-def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
+def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, rounds: int = 1):
     from omni_kernels.quant import QuantizedLinear, quantize_per_token, scaled_mm
 
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -257,7 +259,7 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
         raise ValueError(variant)
 
     rows = []
-    baseline_us = baseline_padded_us = None
+    timed_calls = []  # (row, call) of the variants that ran, for the later rounds
     for variant in variants:
         row = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, variant=variant)
         if budget.exceeded(essential=variant in ESSENTIAL):
@@ -273,18 +275,14 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
                 if is_layer:
                     row["rel_err"] = _rel(out[:ERROR_ROWS], ref)
                 del out
-                row["median_us"] = _bench(call)
+                row["round_medians_us"] = [_bench(call)]
                 # do_bench's figure includes host time when a call's launches outlast its kernels
                 # (a shared machine's slow host): the padded GPU time separates the two.
                 row["host_us"] = host_us(call)
                 row["padded_us"] = padded_us(call, row["host_us"])
-            row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
-            weight_bytes = _weight_bytes(variant, shape) if is_layer else None
-            if weight_bytes is not None:
-                row["weight_gbps"] = weight_bytes / (row["median_us"] * 1e-6) / 1e9
+            row["is_layer"] = is_layer
             row["status"] = "ok"
-            if variant == "bf16":
-                baseline_us, baseline_padded_us = row["median_us"], row.get("padded_us")
+            timed_calls.append((row, call))
         except _Unavailable as exc:
             row["status"] = f"unavailable: {exc}"
         except Exception as exc:
@@ -292,11 +290,30 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget):
             row["traceback"] = traceback.format_exc()[-3000:]
             print(f"[{shape.name}] {variant} failed:\n{row['traceback']}", file=sys.stderr)
         rows.append(row)
-        if row.get("status") == "ok":
-            err = f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""
-            print(f"[{shape.name}] {variant}: {row['median_us']:.1f} us{err}", flush=True)
-        else:
+        if row.get("status") != "ok":
             print(f"[{shape.name}] {variant}: {row['status']}", flush=True)
+    # Later rounds time every variant again, in turn: a slow spell of the GPU or the host (clocks,
+    # a neighbour's job) then lands on all variants alike instead of on whichever ran during it,
+    # and the figure is the median of the rounds' medians.
+    for _ in range(rounds - 1):
+        if budget.exceeded(essential=False):
+            break
+        with torch.no_grad():
+            for row, call in timed_calls:
+                row["round_medians_us"].append(_bench(call))
+    baseline_us = baseline_padded_us = None
+    for row, _ in timed_calls:
+        row["median_us"] = statistics.median(row["round_medians_us"])
+        is_layer = row.pop("is_layer")
+        row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
+        weight_bytes = _weight_bytes(row["variant"], shape) if is_layer else None
+        if weight_bytes is not None:
+            row["weight_gbps"] = weight_bytes / (row["median_us"] * 1e-6) / 1e9
+        if row["variant"] == "bf16":
+            baseline_us, baseline_padded_us = row["median_us"], row.get("padded_us")
+        err = f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""
+        spread = ", ".join(f"{t:.1f}" for t in row["round_medians_us"])
+        print(f"[{shape.name}] {row['variant']}: {row['median_us']:.1f} us (rounds: {spread}){err}", flush=True)
     for row in rows:
         if row.get("status") == "ok" and baseline_us and row.get("tflops") is not None:
             row["speedup_vs_bf16"] = baseline_us / row["median_us"]
@@ -486,7 +503,8 @@ def _markdown(env, linear_rows, step_rows) -> str:
         f"{env['packages'].get('torchao')}",
         f"- git commit: {env['git_commit']}; {env['utc']}",
         f"- command: `{env['command']}`",
-        "- median us: triton.testing.do_bench median (L2 flushed); W8A8 times include the per-token "
+        "- median us: the median over rounds (every variant of a shape timed once per round, in turn) "
+        "of triton.testing.do_bench medians (L2 flushed); W8A8 times include the per-token "
         "activation quantization; rel err vs a float32 GEMM of the unquantized operands "
         f"(first {ERROR_ROWS} rows); bf16 activations with 4 outlier channels (x20). host us: CPU "
         "time a call; padded us: GPU time with a sleep covering the launch (no host time: where "
@@ -569,7 +587,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="start no measurement at all after this many seconds")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="time every variant of a shape this many times, in turn; report the median")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1; got {args.rounds}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -598,7 +621,7 @@ def main(argv=None) -> int:
         for shape in SHAPES[group]:
             chosen = _variants_for(group, shape, variants)
             try:
-                linear_rows += _run_linear_shape(shape, chosen, args.seed, budget)
+                linear_rows += _run_linear_shape(shape, chosen, args.seed, budget, args.rounds)
             except Exception as exc:  # inputs did not fit, say: record and go on
                 linear_rows.append(dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k,
                                         n=shape.n, variant="all",

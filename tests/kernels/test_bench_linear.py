@@ -67,3 +67,27 @@ def test_weight_bytes_and_gemv_table(bench):
     assert "| omni-fp8-wo-triton_gemv | 30.0 | 1900 | - | 1.00e-03 | - | - | - | ok |" in table  # not measured
     large = dict(common, shape="flux-3072x3072", m=4608, n=3072, variant="bf16", median_us=100.0, tflops=800.0)
     assert "| variant | median us | TFLOP/s |" in bench._markdown(env, [large], [])
+
+
+def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
+    """--rounds: every variant of a shape is timed once per round, in turn, and its figure is the
+    median of its rounds' medians, so one slow spell cannot decide a ratio. Run on the CPU with
+    the timer replaced by a script of figures (bf16 twice: two rows, the second the baseline)."""
+    import torch
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "host_us", lambda call: 5.0)
+    monkeypatch.setattr(bench, "padded_us", lambda call, host: 7.0)
+    # round 1: first row 100, second 50; round 2: 90 and a slow spell (300); round 3: 110, 55
+    script = iter([100.0, 50.0, 90.0, 300.0, 110.0, 55.0])
+    monkeypatch.setattr(bench, "_bench", lambda call: next(script))
+    shape = bench.LinearShape("tiny", "test", 8, 32, 16)
+    rows = bench._run_linear_shape(shape, ["bf16", "bf16"], seed=0, budget=bench._Budget(1e9, 1e9), rounds=3)
+    assert [r["round_medians_us"] for r in rows] == [[100.0, 90.0, 110.0], [50.0, 300.0, 55.0]]
+    assert [r["median_us"] for r in rows] == [100.0, 55.0]
+    assert rows[0]["speedup_vs_bf16"] == 55.0 / 100.0 and rows[0]["host_us"] == 5.0
+    assert all(r["status"] == "ok" and "is_layer" not in r for r in rows)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
