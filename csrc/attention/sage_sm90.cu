@@ -159,12 +159,14 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // d[64] (int32, m64n128) += A (s8, shared) x B (s8, shared)^T over 32 of K. The caller sets d
 // (to the score bias) before the wgmma fence that opens the group.
+// (scale-d through a predicate, the form the GPU-tested kernel used; always true here.)
 __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " OMNI_WGMMA_D64_LIST
-      ", %64, %65, 1;\n"
+      ", %64, %65, p;\n}\n"
       : OMNI_WGMMA_ACC64("+r", d)
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b), "n"(1));
 }
 
 // d[64] (float32, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
