@@ -23,6 +23,11 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
   (per-row), when torchao imports; recorded as unavailable otherwise.
 * ``quant-cuda`` / ``quant-triton``: the activation quantization alone (FP8), and
   ``gemm-fp8-aten`` the FP8 GEMM alone: where the W8A8 time goes.
+* ``bf16+gelu`` / ``omni-fp8+gelu``, at the MLP/FFN down projections only (their input is a
+  GELU's output): the GELU and the layer as the model runs them, bf16 ``F.gelu`` then
+  ``F.linear`` against omni's GELU fused into the FP8 activation quantization
+  (``quantize_activated_per_token``) then the FP8 GEMM; their speedup is against
+  ``bf16+gelu``. The issue's per-shape figure stays the plain rows'.
 
 Opt-in shape group ``flux-adaln`` (``--shapes flux-adaln``; not in the default run): Flux's adaLN
 modulation linears, one row per sample (``M`` = batch = 1 or 2): ``transformer_blocks.*.norm1.linear``
@@ -87,18 +92,22 @@ class LinearShape:
     m: int
     k: int
     n: int
+    # The layer's input is a GELU's output in the model (an MLP's down projection): the
+    # "+gelu" rows time the layer with that GELU, as the model runs it.
+    after_gelu: bool = False
 
 
 SHAPES = {
     "flux": [
         LinearShape("flux-3072x3072", "Flux.1 1024^2 (attention projections)", 4608, 3072, 3072),
         LinearShape("flux-3072x12288", "Flux.1 1024^2 (MLP up)", 4608, 3072, 12288),
-        LinearShape("flux-12288x3072", "Flux.1 1024^2 (MLP down)", 4608, 12288, 3072),
+        LinearShape("flux-12288x3072", "Flux.1 1024^2 (MLP down)", 4608, 12288, 3072, after_gelu=True),
     ],
     "wan": [
         LinearShape("wan14b-5120x5120", "Wan2.1-14B 720p 81f (attention projections)", 75600, 5120, 5120),
         LinearShape("wan14b-5120x13824", "Wan2.1-14B 720p 81f (FFN up)", 75600, 5120, 13824),
-        LinearShape("wan14b-13824x5120", "Wan2.1-14B 720p 81f (FFN down)", 75600, 13824, 5120),
+        LinearShape("wan14b-13824x5120", "Wan2.1-14B 720p 81f (FFN down)", 75600, 13824, 5120,
+                    after_gelu=True),
     ],
     # Opt-in (not in DEFAULT_SHAPE_GROUPS): one row per sample, a GEMV bound by the weight read.
     "flux-adaln": [
@@ -121,7 +130,13 @@ VARIANTS = ESSENTIAL + (
     "omni-fp8-two-calls",
     "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
     "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv",
+    "bf16+gelu", "omni-fp8+gelu",
 )
+# At the layers whose input is a GELU's output: the GELU (tanh) and the layer together, bf16
+# (F.gelu, then F.linear) against omni FP8 with the GELU fused into the activation
+# quantization (quantize_activated_per_token, then the FP8 GEMM): what the model runs. The
+# "+gelu" rows' speedup is against "bf16+gelu"; the issue's figure stays the plain rows'.
+_GELU_VARIANTS = {"bf16+gelu", "omni-fp8+gelu"}
 # Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
 _WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-two-calls"}
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
@@ -142,12 +157,14 @@ def _variants_for(group: str, shape: LinearShape, variants) -> list[str]:
         chosen = [v for v in chosen if v in _ADALN_VARIANTS]
     if shape.m > GEMV_MAX_M:
         chosen = [v for v in chosen if v not in _GEMV_VARIANTS]
+    if not shape.after_gelu:
+        chosen = [v for v in chosen if v not in _GELU_VARIANTS]
     return chosen
 
 
 def _weight_bytes(variant: str, shape: LinearShape) -> int | None:
     """Bytes of the weight a layer variant reads (8-bit + float32 scales, or bf16); None otherwise."""
-    if variant == "bf16":
+    if variant in ("bf16", "bf16+gelu"):
         return 2 * shape.n * shape.k
     if variant.startswith("omni-") or variant == "torchao-fp8-dynamic":
         return shape.n * shape.k + 4 * shape.n
@@ -205,6 +222,7 @@ def _torchao_layer(linear: nn.Linear) -> nn.Module:
 
 def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, rounds: int = 1):
     from omni_kernels.quant import QuantizedLinear, quantize_per_token, scaled_mm
+    from omni_kernels.quant.activated import quantize_activated_per_token
 
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     x = _activations(shape.m, shape.k, gen)
@@ -213,6 +231,9 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
     flops = 2.0 * shape.m * shape.k * shape.n
     with torch.no_grad():
         ref = x[:ERROR_ROWS].float() @ linear.weight.float().t() + linear.bias.float()
+        # the "+gelu" rows take x as the GELU's input
+        ref_gelu = (F.gelu(x[:ERROR_ROWS].float(), approximate="tanh") @ linear.weight.float().t()
+                    + linear.bias.float()) if shape.after_gelu else None
 
     layers: dict[str, nn.Module] = {}
 
@@ -225,6 +246,12 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
     def make(variant):
         if variant == "bf16":
             return lambda: F.linear(x, linear.weight, linear.bias), True
+        if variant == "bf16+gelu":
+            return lambda: F.linear(F.gelu(x, approximate="tanh"), linear.weight, linear.bias), True
+        if variant == "omni-fp8+gelu":
+            layer = omni("fp8", "aten")
+            return (lambda: scaled_mm(*quantize_activated_per_token(x, "fp8"), layer.qweight, layer.weight_scale,
+                                      layer.bias, torch.bfloat16, backend="aten")), True
         if variant == "omni-fp8":
             return omni("fp8", "aten"), True
         if variant == "omni-fp8-precise":
@@ -273,7 +300,7 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
                 out = call()  # warm-up: autotuning, compilation
                 torch.cuda.synchronize()
                 if is_layer:
-                    row["rel_err"] = _rel(out[:ERROR_ROWS], ref)
+                    row["rel_err"] = _rel(out[:ERROR_ROWS], ref_gelu if variant in _GELU_VARIANTS else ref)
                 del out
                 row["round_medians_us"] = [_bench(call)]
                 # do_bench's figure includes host time when a call's launches outlast its kernels
@@ -301,7 +328,7 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         with torch.no_grad():
             for row, call in timed_calls:
                 row["round_medians_us"].append(_bench(call))
-    baseline_us = baseline_padded_us = None
+    baselines = {}  # "bf16" / "bf16+gelu": (median us, padded us)
     for row, _ in timed_calls:
         row["median_us"] = statistics.median(row["round_medians_us"])
         is_layer = row.pop("is_layer")
@@ -309,12 +336,14 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         weight_bytes = _weight_bytes(row["variant"], shape) if is_layer else None
         if weight_bytes is not None:
             row["weight_gbps"] = weight_bytes / (row["median_us"] * 1e-6) / 1e9
-        if row["variant"] == "bf16":
-            baseline_us, baseline_padded_us = row["median_us"], row.get("padded_us")
+        if row["variant"] in ("bf16", "bf16+gelu"):
+            baselines[row["variant"]] = (row["median_us"], row.get("padded_us"))
         err = f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""
         spread = ", ".join(f"{t:.1f}" for t in row["round_medians_us"])
         print(f"[{shape.name}] {row['variant']}: {row['median_us']:.1f} us (rounds: {spread}){err}", flush=True)
     for row in rows:
+        baseline_us, baseline_padded_us = baselines.get(
+            "bf16+gelu" if row["variant"] in _GELU_VARIANTS else "bf16", (None, None))
         if row.get("status") == "ok" and baseline_us and row.get("tflops") is not None:
             row["speedup_vs_bf16"] = baseline_us / row["median_us"]
             if baseline_padded_us and row.get("padded_us"):
@@ -508,7 +537,8 @@ def _markdown(env, linear_rows, step_rows) -> str:
         "activation quantization; rel err vs a float32 GEMM of the unquantized operands "
         f"(first {ERROR_ROWS} rows); bf16 activations with 4 outlier channels (x20). host us: CPU "
         "time a call; padded us: GPU time with a sleep covering the launch (no host time: where "
-        "the median is above it, the host was the bottleneck).",
+        "the median is above it, the host was the bottleneck). Rows ending +gelu (down projections): "
+        "the GELU before the layer included, speedups against bf16+gelu.",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in linear_rows):

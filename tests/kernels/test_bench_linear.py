@@ -38,9 +38,15 @@ def test_variants_per_shape(bench):
     flux = bench._variants_for("flux", bench.SHAPES["flux"][0], variants)
     wan = bench._variants_for("wan", bench.SHAPES["wan"][0], variants)
     gemv = {"omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv"}
-    # The large-M groups measure what they measured before: no GEMV rows (M > 16).
+    gelu = {"bf16+gelu", "omni-fp8+gelu"}
+    # The large-M groups measure what they measured before: no GEMV rows (M > 16); the "+gelu"
+    # rows only at the down projections, whose input is a GELU's output.
     assert not gemv & set(flux) and not gemv & set(wan)
-    assert flux == [v for v in variants if v not in gemv]
+    assert flux == [v for v in variants if v not in gemv | gelu]
+    assert [s.name for group in ("flux", "wan") for s in bench.SHAPES[group] if s.after_gelu] == [
+        "flux-12288x3072", "wan14b-13824x5120"]
+    down = bench._variants_for("flux", bench.SHAPES["flux"][2], variants)
+    assert gelu <= set(down) and down == [v for v in variants if v not in gemv]
     adaln = bench._variants_for("flux-adaln", bench.SHAPES["flux-adaln"][0], variants)
     assert adaln == ["bf16", "omni-fp8", "omni-int8", "omni-fp8-wo-aten", "omni-fp8-wo-triton",
                      "omni-int8-wo-aten", "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv",
@@ -91,3 +97,23 @@ def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
     assert all(r["status"] == "ok" and "is_layer" not in r for r in rows)
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+
+
+def test_gelu_rows_compare_with_bf16_gelu(bench, monkeypatch):
+    """At a down projection, "+gelu" rows take x as the GELU's input: their error is against
+    GELU(x) @ W^T + b and their speedup against "bf16+gelu", not against the plain layer."""
+    import torch
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "host_us", lambda call: 5.0)
+    monkeypatch.setattr(bench, "padded_us", lambda call, host: 7.0)
+    script = iter([100.0, 150.0])  # bf16, then bf16+gelu
+    monkeypatch.setattr(bench, "_bench", lambda call: next(script))
+    shape = bench.LinearShape("tiny-down", "test", 8, 64, 16, after_gelu=True)
+    rows = bench._run_linear_shape(shape, ["bf16", "bf16+gelu"], seed=0, budget=bench._Budget(1e9, 1e9))
+    plain, gelu = rows
+    assert plain["speedup_vs_bf16"] == 1.0 and gelu["speedup_vs_bf16"] == 1.0  # each its own baseline
+    # bf16 rounding only: each row is compared with its own float32 reference
+    assert plain["rel_err"] < 1e-2 and gelu["rel_err"] < 1e-2
