@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+
+from bench._environment import base_environment  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 
@@ -87,6 +89,9 @@ CONFIGS = [
     CUDA_SM90_CONFIG,                                       # 10: the Hopper CUDA (wgmma) kernel
     C(64, 128, 4, 3, score_bias=True),                      # 11: 0 without the int-to-float conversion
     C(128, 128, 8, 3, score_bias=True),                     # 12: 4 likewise
+    C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=2),  # 13: 10, exp2 of 2/8 on FMA
+    C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=3),  # 14: 3/8
+    C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=4),  # 15: 4/8
 ]
 CHECK_HEADS = 2
 CHECK_QUERIES = 1024
@@ -127,14 +132,33 @@ def main():
     out_file = out_dir / "quantized_attention_tune.json"
     props = torch.cuda.get_device_properties(device)
     sage_reason = get_backend("sageattention").unavailable_reason(device)
+    env = base_environment(("triton", "sageattention"))
     report = {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
               "torch": torch.__version__, "triton": triton.__version__,
-              "sageattention": sage_reason or "available", "results": []}
-    print(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"sageattention: {sage_reason or 'available'}")
+              "sageattention": sage_reason or "available", "environment": env, "results": []}
+    md_lines = [
+        "# Quantized attention (omni_sage) configs against cuDNN and sageattention",
+        "",
+        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}), "
+        + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
+        f"- git commit: {env['git_commit']}; {env['utc']}",
+        f"- command: `{env['command']}`",
+        "- do_bench medians; TFLOP/s-equivalent = 4*B*H*S*S*D / t; quantization included unless the row "
+        "says 'only'",
+        "",
+        "```",
+    ]
+
+    def say(text: str = "") -> None:
+        print(text)
+        md_lines.append(text)
+
+    say(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"sageattention: {sage_reason or 'available'}")
 
     def save():
         out_file.write_text(json.dumps(report, indent=1))
+        out_file.with_suffix(".md").write_text("\n".join(md_lines + ["```", ""]))
 
     start = time.time()
     summary = []
@@ -185,25 +209,27 @@ def main():
         timed("  attention kernel only", lambda: sage_attention_quantized(
             qkv, out, layout="bhsd", scale=d ** -0.5, config=dflt))
         cuda_reason = cuda_sm90_unsupported_reason(device, d, q.dtype)
-        if CUDA_SM90_CONFIG in configs and cuda_reason is None:
+        cuda_configs = [c for c in configs if c.kernel == "cuda_sm90"] if cuda_reason is None else []
+        if cuda_configs:
             timed("  cuda_sm90: CUDA quantization only",
                   lambda: quantize_qkv_cuda(q, k, v, permute_v=True))
             qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
-            timed("  cuda_sm90: attention kernel only", lambda: sage_attention_quantized(
-                qkv, out, layout="bhsd", scale=d ** -0.5, config=CUDA_SM90_CONFIG))
+            for cfg in cuda_configs:
+                timed(f"  cuda_sm90 exp2 {cfg.fma_exp2_eighths}/8 on FMA: attention kernel only",
+                      lambda cfg=cfg: sage_attention_quantized(qkv, out, layout="bhsd", scale=d ** -0.5,
+                                                               config=cfg))
         qkv = out = None  # free before the accuracy inputs
 
         if not args.no_check:
             for kind in ("randn", "dit"):
                 if kind == "dit":
                     q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, device)
-                for name, fn in (("omni_sage", lambda: sage_attention_forward(q, k, v)),
-                                 ("omni_sage cuda_sm90",
-                                  lambda: sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG)),
-                                 ("sageattention", lambda: attention(q, k, v, backend="sageattention"))):
+                checks = [("omni_sage", lambda: sage_attention_forward(q, k, v))]
+                checks += [(f"omni_sage cuda_sm90 {cfg.fma_exp2_eighths}/8",
+                            lambda cfg=cfg: sage_attention_forward(q, k, v, config=cfg)) for cfg in cuda_configs]
+                checks.append(("sageattention", lambda: attention(q, k, v, backend="sageattention")))
+                for name, fn in checks:
                     if name == "sageattention" and (sage_reason or not select_backend(q, k, v, backend=name)[0]):
-                        continue
-                    if name.endswith("cuda_sm90") and (cuda_reason or CUDA_SM90_CONFIG not in configs):
                         continue
                     cos, rel = errors(fn(), q, k, v)
                     row = {"shape": shape_name, "impl": f"accuracy {name} {kind}", "cosine": cos, "rel_l2": rel}
@@ -212,16 +238,16 @@ def main():
                     save()
 
         cudnn_ms = next((r["ms"] for r in rows if r["impl"] == "cudnn" and r.get("ms")), None)
-        print(f"\n== {shape_name}: B={b} H={h} S={s} D={d} bf16 bhsd")
-        print(f"{'impl':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs cuDNN':>8s}")
+        say(f"\n== {shape_name}: B={b} H={h} S={s} D={d} bf16 bhsd")
+        say(f"{'impl':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs cuDNN':>8s}")
         for r in rows:
             if "cosine" in r:
-                print(f"{r['impl']:34s} cosine {r['cosine']:.5f}  rel L2 {r['rel_l2']:.3e}")
+                say(f"{r['impl']:34s} cosine {r['cosine']:.5f}  rel L2 {r['rel_l2']:.3e}")
             elif r["ms"] is None:
-                print(f"{r['impl']:34s} {'-':>9s}  {r.get('error', '')[:70]}")
+                say(f"{r['impl']:34s} {'-':>9s}  {r.get('error', '')[:70]}")
             else:
                 r["vs_cudnn"] = cudnn_ms / r["ms"] if cudnn_ms else None
-                print(f"{r['impl']:34s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_cudnn'] or 0:8.3f}")
+                say(f"{r['impl']:34s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_cudnn'] or 0:8.3f}")
         ours = [r for r in rows if r.get("ms") and "config" in r]
         if ours:
             best = min(ours, key=lambda r: r["ms"])
@@ -230,12 +256,12 @@ def main():
         q = k = v = None
         torch.cuda.empty_cache()
 
-    print("\n== best omni_sage config per shape (targets: >= 1.5x cuDNN at Wan/Hunyuan 720p, >= 1.3x at Flux)")
+    say("\n== best omni_sage config per shape (targets: >= 1.5x cuDNN at Wan/Hunyuan 720p, >= 1.3x at Flux)")
     for name, impl, tf, ratio in summary:
-        print(f"{name:10s} {impl:34s} {tf:8.1f} TFLOP/s  {ratio or 0:.3f}x cuDNN")
+        say(f"{name:10s} {impl:34s} {tf:8.1f} TFLOP/s  {ratio or 0:.3f}x cuDNN")
     report["elapsed_s"] = time.time() - start
     save()
-    print(f"\nwrote {out_file} ({report['elapsed_s']:.0f} s)")
+    print(f"\nwrote {out_file} and its .md ({report['elapsed_s']:.0f} s)")
 
 
 if __name__ == "__main__":

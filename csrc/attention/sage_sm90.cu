@@ -198,6 +198,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x on the FMA pipes, for the scores the special-function unit should not take (it also runs
+// the e4m3 packing and is the softmax's bottleneck). x is clamped to >= -120 (P is then rounded
+// to e4m3, whose smallest value is 2^-9: those are zeros either way). x = j + f with j the
+// nearest integer (the 1.5 * 2^23 rounding trick) and f in [-1/2, 1/2]; 2^f by a degree-3
+// polynomial fitted for relative error (max 7.5e-5, below ex2.approx's own error's effect
+// on an e4m3 P); j goes straight into the exponent: (t's bits << 23) == (j << 23) mod 2^32
+// because 1.5 * 2^23's bits end in 23 zeros after the shift.
+__device__ __forceinline__ float exp2_on_fma(float x) {
+  x = fmaxf(x, -120.0f);
+  const float t = x + kScoreBias;           // j + 1.5 * 2^23, exactly
+  const float f = x - (t - kScoreBias);     // in [-1/2, 1/2]
+  float p = fmaf(f, 0.05517166f, 0.24261113f);
+  p = fmaf(f, p, 0.69326097f);
+  p = fmaf(f, p, 0.99992806f);
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
 // Two floats to two e4m3 bytes (round to nearest even, saturating): `lo` in the low byte.
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   uint16_t r;
@@ -247,7 +264,9 @@ struct RowSoftmax {
   float l_lo = 0.0f, l_hi = 0.0f;
 
   // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
-  // Keys past kv_len (the last block only) are masked. s is only read here.
+  // Keys past kv_len (the last block only) are masked. s is only read here. kFmaEighths of
+  // every 8 scores get their exp2 from exp2_on_fma, the rest from ex2.approx.
+  template <int kFmaEighths>
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
     const bool masked = (j + 1) * kSageBlockN > kv_len;
@@ -286,7 +305,8 @@ struct RowSoftmax {
     for (int i = 0; i < 64; ++i) {
       const bool hi = (i / 2) % 2 == 1;
       const float score = __uint_as_float(s[i]) - kScoreBias;  // exact: the int32 sum
-      float e = fast_exp2(fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo)));
+      const float x = fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo));
+      float e = (i % 8) < kFmaEighths ? exp2_on_fma(x) : fast_exp2(x);
       if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
       pf[i] = e;
       if (hi) {
@@ -321,7 +341,7 @@ __device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], floa
 
 #endif  // OMNI_SAGE_SM90_DEVICE
 
-template <typename OutT>
+template <typename OutT, int kFmaEighths>
 __global__ void __launch_bounds__(kThreads, 1)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
                      const __grid_constant__ CUtensorMap q_map,
@@ -414,7 +434,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_qk(s, q_desc, smem.k[stage]);
       wgmma_commit();
       wgmma_wait<0>();
-      rows.exps(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t, alpha_lo, alpha_hi);
+      rows.template exps<kFmaEighths>(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t,
+                                      alpha_lo, alpha_hi);
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
       wgmma_fence();
@@ -503,9 +524,9 @@ cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename OutT>
+template <typename OutT, int kFmaEighths>
 cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
-  auto* kernel = &sage_sm90_kernel<OutT>;
+  auto* kernel = &sage_sm90_kernel<OutT, kFmaEighths>;
   cudaFuncAttributes attributes;
   cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no image at all: an error
   if (err != cudaSuccess) return err;
@@ -536,10 +557,23 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
 
 }  // namespace
 
+template <typename OutT>
+cudaError_t launch_with_exp2_split(const SageSm90Params& p, int fma_exp2_eighths,
+                                   cudaStream_t stream) {
+  switch (fma_exp2_eighths) {
+    case 0: return launch_typed<OutT, 0>(p, stream);
+    case 2: return launch_typed<OutT, 2>(p, stream);
+    case 3: return launch_typed<OutT, 3>(p, stream);
+    case 4: return launch_typed<OutT, 4>(p, stream);
+    default: return cudaErrorInvalidValue;  // the host entry checks the value first
+  }
+}
+
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       cudaStream_t stream) {
-  return out_kind == SageOutKind::kBFloat16 ? launch_typed<__nv_bfloat16>(params, stream)
-                                            : launch_typed<__half>(params, stream);
+                                       int fma_exp2_eighths, cudaStream_t stream) {
+  return out_kind == SageOutKind::kBFloat16
+             ? launch_with_exp2_split<__nv_bfloat16>(params, fma_exp2_eighths, stream)
+             : launch_with_exp2_split<__half>(params, fma_exp2_eighths, stream);
 }
 
 }  // namespace attention

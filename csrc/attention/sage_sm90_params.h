@@ -58,8 +58,12 @@ enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
 
 // Launches the kernel on `stream`; returns cudaSuccess or the first CUDA error (a build
 // without sm_90a code gives cudaErrorNoKernelImageForDevice).
+// The fma_exp2_eighths values the kernel is built for: that many of every 8 scores take their
+// exp2 from a polynomial on the FMA pipes instead of the special-function unit.
+constexpr int kSageFmaExp2Eighths[] = {0, 2, 3, 4};
+
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       cudaStream_t stream);
+                                       int fma_exp2_eighths, cudaStream_t stream);
 
 }  // namespace attention
 }  // namespace omni

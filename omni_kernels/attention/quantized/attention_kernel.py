@@ -214,6 +214,8 @@ def _sage_fwd_kernel(
 
 
 KERNELS = ("triton", "cuda_sm90")
+#: SageConfig.fma_exp2_eighths values the CUDA kernel is built for (sage_sm90_params.h)
+FMA_EXP2_EIGHTHS = (0, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,11 @@ class SageConfig:
     three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
     ``num_warps``/``num_stages``/``use_tma``/``warp_specialize``/``score_bias`` describe
     nothing: it always reads scores through the bias).
+
+    ``fma_exp2_eighths`` (cuda_sm90 only; 0, 2, 3 or 4): that many of every 8 scores get
+    their ``exp2`` from a degree-3 polynomial on the FMA pipes (relative error 7.5e-5, under
+    the e4m3 rounding of P that follows) instead of the special-function unit, which also runs
+    P's conversion to e4m3 and bounds the softmax; 0 until a share is measured faster.
 
     ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
     ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
@@ -243,17 +250,27 @@ class SageConfig:
     # S's int32 accumulator starts from a float bias, so the scores reach float32 without an
     # int-to-float conversion (same values; the CUDA kernel always does this).
     score_bias: bool = False
+    # cuda_sm90 only: this many of every 8 scores take their exp2 from a polynomial on the FMA
+    # pipes instead of the special-function unit (which also packs P to e4m3).
+    fma_exp2_eighths: int = 0
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"SageConfig.kernel must be one of {KERNELS}; got {self.kernel!r}")
+        if self.fma_exp2_eighths not in FMA_EXP2_EIGHTHS:
+            raise ValueError(f"SageConfig.fma_exp2_eighths must be one of {FMA_EXP2_EIGHTHS}; "
+                             f"got {self.fma_exp2_eighths!r}")
+        if self.fma_exp2_eighths and self.kernel != "cuda_sm90":
+            raise ValueError("SageConfig.fma_exp2_eighths applies to kernel='cuda_sm90' only; "
+                             f"got kernel={self.kernel!r}")
         if self.kernel == "cuda_sm90" and (self.block_m, self.block_n) != (128, 128):
             raise ValueError("SageConfig(kernel='cuda_sm90') needs block_m=128 and block_n=128 "
                              f"(the CUDA kernel's fixed tile); got {self.block_m}, {self.block_n}")
 
     def describe(self) -> str:
         if self.kernel == "cuda_sm90":
-            return "cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups)"
+            return ("cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups"
+                    + (f", exp2 of {self.fma_exp2_eighths}/8 on FMA)" if self.fma_exp2_eighths else ")"))
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
                 + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
                 + ("+bias" if self.score_bias else ""))
@@ -416,7 +433,7 @@ def sage_attention_quantized(
         out4 = out if layout == "bhsd" else out.transpose(1, 2)  # the op takes a [B, H, S, D] view
         torch.ops.omni_kernels.sage_attention_sm90(
             qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
-            key_lengths, qkv.seq_kv, float(scale), out4, lse,
+            key_lengths, qkv.seq_kv, float(scale), int(cfg.fma_exp2_eighths), out4, lse,
         )
         return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
@@ -522,6 +539,7 @@ def sage_attention_forward(
 
 __all__ = [
     "CUDA_SM90_CONFIG",
+    "FMA_EXP2_EIGHTHS",
     "HEAD_DIMS",
     "KERNELS",
     "MIN_CAPABILITY",
