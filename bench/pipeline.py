@@ -65,7 +65,7 @@ Variants (each applied to the same model and undone before the next):
     lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
 (f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
 (e1) ``omni_fp8_sage_sm90`` (only when asked for with ``--variants``): (e) with omni's Hopper
-    CUDA kernel (``attention="omni_sage_sm90"``: wgmma, TMA, CUDA quantization).
+    CUDA kernel (``attention="omni_sage_sm90"``: wgmma, TMA; Q/K/V quantized by the Triton kernels).
 
 Per variant: the first call (includes compilation) in seconds, then the median
 (and min) forward time over ``--iters`` calls after ``--warmup`` calls (CUDA

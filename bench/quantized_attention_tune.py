@@ -92,6 +92,7 @@ CONFIGS = [
     C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=2),  # 13: 10, exp2 of 2/8 on FMA
     C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=3),  # 14: 3/8
     C(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=4),  # 15: 4/8
+    C(128, 128, 12, 3, kernel="cuda_sm90", cuda_quantizer=True),  # 16: 10 on the CUDA quantizer
 ]
 CHECK_HEADS = 2
 CHECK_QUERIES = 1024
@@ -213,6 +214,8 @@ def main():
         if cuda_configs:
             timed("  cuda_sm90: CUDA quantization only",
                   lambda: quantize_qkv_cuda(q, k, v, permute_v=True))
+            timed("  cuda_sm90: Triton quantization (V^T permuted) only",
+                  lambda: quantize_qkv(q, k, v, block_n=128, permute_v=True))
             qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
             for cfg in cuda_configs:
                 timed(f"  cuda_sm90 exp2 {cfg.fma_exp2_eighths}/8 on FMA: attention kernel only",

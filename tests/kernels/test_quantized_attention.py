@@ -353,6 +353,9 @@ def test_sage_config_kernel_validation():
     with pytest.raises(ValueError, match="fma_exp2_eighths applies to kernel='cuda_sm90' only"):
         SageConfig(64, 128, 4, 3, fma_exp2_eighths=2)
     assert "exp2 of 3/8 on FMA" in SageConfig(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=3).describe()
+    with pytest.raises(ValueError, match="cuda_quantizer applies to kernel='cuda_sm90' only"):
+        SageConfig(64, 128, 4, 3, cuda_quantizer=True)
+    assert "CUDA quantizer" in SageConfig(128, 128, 12, 3, kernel="cuda_sm90", cuda_quantizer=True).describe()
 
 
 def test_cuda_exp2_on_fma_polynomial():
@@ -726,6 +729,11 @@ def test_gpu_cuda_sm90_matches_triton_kernel_and_float32():
     assert cos >= 0.999 and rel <= 3e-2, f"cosine {cos:.5f}, rel L2 {rel:.3e}"
     between = ((out.float() - triton_out.float()).norm() / triton_out.float().norm()).item()
     assert between <= 1e-2, f"CUDA vs Triton rel L2 {between:.3e}"
+    # the same kernel on the CUDA quantizer's tensors (K codes may differ by one step)
+    cuda_quantized = sage_attention_forward(q, k, v, config=SageConfig(128, 128, 12, 3, kernel="cuda_sm90",
+                                                                       cuda_quantizer=True))
+    between = ((cuda_quantized.float() - out.float()).norm() / out.float().norm()).item()
+    assert between <= 1e-2, f"CUDA quantizer vs Triton quantizer rel L2 {between:.3e}"
 
 
 @pytest.mark.gpu

@@ -4,15 +4,15 @@ The same math and quantization as ``omni_sage`` (:mod:`omni_kernels.attention.qu
 K smoothed by its mean, Q INT8 per token, K INT8 per 128-key block, V FP8 e4m3 per
 channel, P in FP8 with two-level accumulation), with the attention itself in
 ``csrc/attention/sage_sm90.cu``: wgmma for both products, TMA loads, one producer and two
-consumer warpgroups a 128-query tile. The quantization runs in CUDA too
-(``omni_kernels::sage_quantize_qkv``, one call) where the inputs' strides allow (multiples of
-4 elements), else in Triton; both store V^T's keys in the order that kernel's P fragments
-need (``permute_v=True``).
+consumer warpgroups a 128-query tile. The quantization runs in Triton (on the H200 it is about
+twice as fast as omni's CUDA quantizer, ``omni_kernels::sage_quantize_qkv``, which
+``SageConfig(cuda_quantizer=True)`` selects); either stores V^T's keys in the order that
+kernel's P fragments need (``permute_v=True``).
 
 Hopper only (compute capability 9.0; the kernel is sm_90a code), head_dim 128,
 float16/bfloat16, CUDA tensors, omni's compiled extension. Both layouts, GQA,
 ``key_lengths`` and log-sum-exp; not causal, forward only. Called through the
-``omni_kernels::sage_attention_fwd`` op with ``kernel="cuda_sm90"``, so ``torch.compile``
+``omni_kernels::sage_attention_fwd`` op with ``implementation="cuda_sm90"``, so ``torch.compile``
 keeps it as one node.
 """
 

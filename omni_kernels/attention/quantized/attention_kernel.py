@@ -253,6 +253,10 @@ class SageConfig:
     # cuda_sm90 only: this many of every 8 scores take their exp2 from a polynomial on the FMA
     # pipes instead of the special-function unit (which also packs P to e4m3).
     fma_exp2_eighths: int = 0
+    # cuda_sm90 only: quantize Q/K/V with omni's CUDA kernels (csrc/attention/sage_quant.cu)
+    # instead of the Triton ones. Off: on the H200 the Triton quantizer took 0.088 / 1.70 / 1.58
+    # ms at Flux / Wan 720p / Hunyuan 720p against the CUDA one's 0.154 / 3.53 / 3.34.
+    cuda_quantizer: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -263,6 +267,9 @@ class SageConfig:
         if self.fma_exp2_eighths and self.kernel != "cuda_sm90":
             raise ValueError("SageConfig.fma_exp2_eighths applies to kernel='cuda_sm90' only; "
                              f"got kernel={self.kernel!r}")
+        if self.cuda_quantizer and self.kernel != "cuda_sm90":
+            raise ValueError("SageConfig.cuda_quantizer applies to kernel='cuda_sm90' only (the CUDA "
+                             f"quantizer writes V^T permuted for it); got kernel={self.kernel!r}")
         if self.kernel == "cuda_sm90" and (self.block_m, self.block_n) != (128, 128):
             raise ValueError("SageConfig(kernel='cuda_sm90') needs block_m=128 and block_n=128 "
                              f"(the CUDA kernel's fixed tile); got {self.block_m}, {self.block_n}")
@@ -270,7 +277,8 @@ class SageConfig:
     def describe(self) -> str:
         if self.kernel == "cuda_sm90":
             return ("cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups"
-                    + (f", exp2 of {self.fma_exp2_eighths}/8 on FMA)" if self.fma_exp2_eighths else ")"))
+                    + (f", exp2 of {self.fma_exp2_eighths}/8 on FMA" if self.fma_exp2_eighths else "")
+                    + (", CUDA quantizer" if self.cuda_quantizer else "") + ")")
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
                 + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
                 + ("+bias" if self.score_bias else ""))
@@ -526,7 +534,10 @@ def sage_attention_forward(
             raise RuntimeError(f"sage_attention_forward: {reason}")
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
-    if cfg.kernel == "cuda_sm90" and cuda_quantize_unsupported_reason(q, k, v) is None:
+    if cfg.cuda_quantizer:
+        reason = cuda_quantize_unsupported_reason(q, k, v)
+        if reason is not None:
+            raise ValueError(f"SageConfig(cuda_quantizer=True): {reason}")
         qkv = quantize_qkv_cuda_checked(q, k, v, layout=layout, key_lengths=key_lengths, permute_v=True)
     else:
         qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths,
