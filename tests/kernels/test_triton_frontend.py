@@ -111,10 +111,13 @@ _SAGE_ARGS = {"Q8": "*i8", "QS": "*fp32", "QKMEAN": "*fp32", "K8": "*i8", "KS": 
 _SAGE_ARGS.update({name: "i32" for name in (
     "stride_ob", "stride_oh", "stride_om", "num_heads", "num_kv_heads", "seq_q", "seq_k", "seq_k_pad",
     "num_m_blocks")})
-CASES["sage_attention"] = (
-    "omni_kernels.attention.quantized.attention_kernel", "_sage_fwd_kernel", _SAGE_ARGS,
-    dict(q_desc=None, k_desc=None, v_desc=None, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, HAS_KEY_LENGTHS=True,
-         RETURN_LSE=True, USE_TMA=False, EMULATE_FP8=False, WARP_SPECIALIZE=False))
+CASES.update({
+    f"sage_attention{'-score-bias' if bias else ''}": (
+        "omni_kernels.attention.quantized.attention_kernel", "_sage_fwd_kernel", _SAGE_ARGS,
+        dict(q_desc=None, k_desc=None, v_desc=None, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, HAS_KEY_LENGTHS=True,
+             RETURN_LSE=True, USE_TMA=False, EMULATE_FP8=False, WARP_SPECIALIZE=False, SCORE_BIAS=bias))
+    for bias in (False, True)
+})
 
 
 def _lower_to_ttir(module_name: str, kernel_name: str, arg_types: dict, constexprs: dict) -> str:
