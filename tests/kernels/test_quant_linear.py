@@ -841,7 +841,7 @@ def test_eager_launch_allowed_only_for_plain_eager_tensors():
                     reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
 def test_eager_direct_launch_equals_the_op(inputs):
     """The launcher called directly and the op give the same bits (per-token, GELU-folded with a
-    prefix, and the weight-only GEMV)."""
+    prefix, the weight-only GEMV, and the Triton GEMM for W8A8 and weight-only layers)."""
     from omni_kernels.quant import quantize_activated_per_token
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -864,6 +864,38 @@ def test_eager_direct_launch_equals_the_op(inputs):
         via_op = weight_only_mm(x[:3], w_q, w_scale, None, backend="triton_gemv")
     assert "omni_kernels.weight_only_gemv_triton.default" in record.ops
     assert torch.equal(direct, via_op)
+    x_q, x_scale = quantize_per_token(x, "int8")
+    direct = scaled_mm(x_q, x_scale, w_q, w_scale, None, dtype, backend="triton")
+    with _RecordOps() as record:
+        via_op = scaled_mm(x_q, x_scale, w_q, w_scale, None, dtype, backend="triton")
+    assert "omni_kernels.scaled_mm_triton.default" in record.ops
+    assert torch.equal(direct, via_op)
+    direct = weight_only_mm(x, w_q, w_scale, None, backend="triton")
+    with _RecordOps() as record:
+        via_op = weight_only_mm(x, w_q, w_scale, None, backend="triton")
+    assert "omni_kernels.scaled_mm_triton.default" in record.ops
+    assert torch.equal(direct, via_op)
+
+
+@pytest.mark.skipif(not (triton_interpreter_enabled() or torch.cuda.is_available()),
+                    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+def test_eager_triton_gemm_skips_the_op_dispatch(inputs, monkeypatch):
+    """Eager W8A8 and weight-only Triton GEMMs on plain tensors call the launcher, not the op
+    (whose dispatch is host time an eager layer pays per call)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs.activations((9, 64), torch.float16, device)
+    w_q, w_scale = quantize_weight(inputs.activations((40, 64), torch.float32, device), "int8")
+    x_q, x_scale = quantize_per_token(x, "int8")
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("the eager path went through omni_kernels::scaled_mm_triton")
+
+    monkeypatch.setattr(torch.ops.omni_kernels, "scaled_mm_triton", not_called)
+    out = scaled_mm(x_q, x_scale, w_q, w_scale, None, torch.float16, backend="triton")
+    ref = scaled_linear_reference(x_q, x_scale, w_q, w_scale, None, torch.float32)
+    assert _rel(out, ref) <= 1e-3
+    out = weight_only_mm(x, w_q, w_scale, None, backend="triton")
+    assert _rel(out, weight_only_linear_reference(x.float(), w_q, w_scale, None)) <= 1e-3
 
 
 def test_eager_direct_launch_turns_wrap_triton_dispatch_off(monkeypatch):
