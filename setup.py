@@ -111,9 +111,8 @@ def _private_cxx_runtime_symbols(library: Path) -> list[str]:
     if not shutil.which("nm"):
         return []
     listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True)
-    wanted = {"__cxa_throw", "__gxx_personality_v0", "__cxa_begin_catch"}
-    return sorted({line.split()[-1] for line in listing.stdout.splitlines() if line.split()[-1:] and
-                   line.split()[-1] in wanted})
+    symbols = {line.split()[-1] for line in listing.stdout.splitlines() if line.strip()}
+    return sorted(symbols & {"__cxa_throw", "__gxx_personality_v0", "__cxa_begin_catch"})
 
 
 class CMakeExtension(Extension):

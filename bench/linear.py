@@ -286,7 +286,7 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         raise ValueError(variant)
 
     rows = []
-    timed_calls = []  # (row, call) of the variants that ran, for the later rounds
+    timed_calls = []  # (row, call, is_layer) of the variants that ran, for the later rounds
     for variant in variants:
         row = dict(shape=shape.name, model=shape.model, m=shape.m, k=shape.k, n=shape.n, variant=variant)
         if budget.exceeded(essential=variant in ESSENTIAL):
@@ -307,9 +307,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
                 # (a shared machine's slow host): the padded GPU time separates the two.
                 row["host_us"] = host_us(call)
                 row["padded_us"] = padded_us(call, row["host_us"])
-            row["is_layer"] = is_layer
             row["status"] = "ok"
-            timed_calls.append((row, call))
+            timed_calls.append((row, call, is_layer))
         except _Unavailable as exc:
             row["status"] = f"unavailable: {exc}"
         except Exception as exc:
@@ -326,12 +325,11 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         if budget.exceeded(essential=False):
             break
         with torch.no_grad():
-            for row, call in timed_calls:
+            for row, call, _ in timed_calls:
                 row["round_medians_us"].append(_bench(call))
     baselines = {}  # "bf16" / "bf16+gelu": (median us, padded us)
-    for row, _ in timed_calls:
+    for row, _, is_layer in timed_calls:
         row["median_us"] = statistics.median(row["round_medians_us"])
-        is_layer = row.pop("is_layer")
         row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12 if is_layer else None
         weight_bytes = _weight_bytes(row["variant"], shape) if is_layer else None
         if weight_bytes is not None:

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -93,11 +94,9 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
               out.stride(3), ")");
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0, kOp, ": scale must be positive and finite; ",
               "got ", scale);
-  bool built_split = false;
-  for (const int eighths : omni::attention::kSageFmaExp2Eighths) {
-    built_split = built_split || eighths == fma_exp2_eighths;
-  }
-  TORCH_CHECK(built_split, kOp, ": fma_exp2_eighths must be one of 0, 2, 3, 4; got ",
+  const auto& splits = omni::attention::kSageFmaExp2Eighths;
+  TORCH_CHECK(std::find(splits.begin(), splits.end(), fma_exp2_eighths) != splits.end(),
+              kOp, ": fma_exp2_eighths must be one of ", c10::Join(", ", splits), "; got ",
               fma_exp2_eighths);
   // TMA coordinates and the 1-D grid are 32-bit.
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();

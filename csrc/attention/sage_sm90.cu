@@ -134,10 +134,8 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-// Waits until at most kPending committed wgmma groups of this warpgroup are still running.
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
 // The 64 accumulator operands of an m64n128 wgmma; C is the constraint ("+r" or "+f").
@@ -433,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&smem.k_full[stage], parity);
       issue_qk(s, q_desc, smem.k[stage]);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait_all();
       rows.template exps<kFmaEighths>(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t,
                                       alpha_lo, alpha_hi);
       pack_p(pf, pa);
@@ -441,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
       issue_pv(pv, pa, smem.v[stage]);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait_all();
       mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
       fold(o, pv, alpha_lo, alpha_hi);
     }
@@ -560,6 +558,8 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
 template <typename OutT>
 cudaError_t launch_with_exp2_split(const SageSm90Params& p, int fma_exp2_eighths,
                                    cudaStream_t stream) {
+  static_assert(kSageFmaExp2Eighths == std::array<int, 4>{0, 2, 3, 4},
+                "one case below per value of kSageFmaExp2Eighths");
   switch (fma_exp2_eighths) {
     case 0: return launch_typed<OutT, 0>(p, stream);
     case 2: return launch_typed<OutT, 2>(p, stream);

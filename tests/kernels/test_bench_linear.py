@@ -75,10 +75,9 @@ def test_weight_bytes_and_gemv_table(bench):
     assert "| variant | median us | TFLOP/s |" in bench._markdown(env, [large], [])
 
 
-def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
-    """--rounds: every variant of a shape is timed once per round, in turn, and its figure is the
-    median of its rounds' medians, so one slow spell cannot decide a ratio. Run on the CPU with
-    the timer replaced by a script of figures (bf16 twice: two rows, the second the baseline)."""
+def _on_cpu(bench, monkeypatch):
+    """_run_linear_shape on the CPU: no CUDA syncs, fixed host and padded times (each test
+    scripts the timer itself)."""
     import torch
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
@@ -86,6 +85,13 @@ def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench, "host_us", lambda call: 5.0)
     monkeypatch.setattr(bench, "padded_us", lambda call, host: 7.0)
+
+
+def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
+    """--rounds: every variant of a shape is timed once per round, in turn, and its figure is the
+    median of its rounds' medians, so one slow spell cannot decide a ratio. Run on the CPU with
+    the timer replaced by a script of figures (bf16 twice: two rows, the second the baseline)."""
+    _on_cpu(bench, monkeypatch)
     # round 1: first row 100, second 50; round 2: 90 and a slow spell (300); round 3: 110, 55
     script = iter([100.0, 50.0, 90.0, 300.0, 110.0, 55.0])
     monkeypatch.setattr(bench, "_bench", lambda call: next(script))
@@ -102,13 +108,7 @@ def test_rounds_time_variants_in_turn_and_report_the_median(bench, monkeypatch):
 def test_gelu_rows_compare_with_bf16_gelu(bench, monkeypatch):
     """At a down projection, "+gelu" rows take x as the GELU's input: their error is against
     GELU(x) @ W^T + b and their speedup against "bf16+gelu", not against the plain layer."""
-    import torch
-
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "host_us", lambda call: 5.0)
-    monkeypatch.setattr(bench, "padded_us", lambda call, host: 7.0)
+    _on_cpu(bench, monkeypatch)
     script = iter([100.0, 150.0])  # bf16, then bf16+gelu
     monkeypatch.setattr(bench, "_bench", lambda call: next(script))
     shape = bench.LinearShape("tiny-down", "test", 8, 64, 16, after_gelu=True)

@@ -50,10 +50,7 @@ import triton.language as tl
 
 from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
-from omni_kernels.attention.quantized.quantize_cuda import (
-    cuda_quantize_unsupported_reason,
-    quantize_qkv_cuda_checked,
-)
+from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
@@ -534,11 +531,8 @@ def sage_attention_forward(
             raise RuntimeError(f"sage_attention_forward: {reason}")
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
-    if cfg.cuda_quantizer:
-        reason = cuda_quantize_unsupported_reason(q, k, v)
-        if reason is not None:
-            raise ValueError(f"SageConfig(cuda_quantizer=True): {reason}")
-        qkv = quantize_qkv_cuda_checked(q, k, v, layout=layout, key_lengths=key_lengths, permute_v=True)
+    if cfg.cuda_quantizer:  # raises ValueError naming what the CUDA quantizer cannot take
+        qkv = quantize_qkv_cuda(q, k, v, layout=layout, key_lengths=key_lengths, permute_v=True)
     else:
         qkv = quantize_qkv(q, k, v, layout=layout, block_n=cfg.block_n, key_lengths=key_lengths,
                            permute_v=cfg.kernel == "cuda_sm90")

@@ -45,13 +45,6 @@ def quantize_qkv_cuda(q, k, v, *, layout: str = "bhsd", key_lengths=None,
     reason = cuda_quantize_unsupported_reason(q, k, v)
     if reason is not None:
         raise ValueError(f"quantize_qkv_cuda: {reason}")
-    return quantize_qkv_cuda_checked(q, k, v, layout=layout, key_lengths=key_lengths,
-                                     permute_v=permute_v)
-
-
-def quantize_qkv_cuda_checked(q, k, v, *, layout: str, key_lengths, permute_v: bool) -> QuantizedQKV:
-    """:func:`quantize_qkv_cuda` for inputs :func:`cuda_quantize_unsupported_reason` has
-    already accepted (no second check on the call path)."""
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
     q8, qs, qkm, k8, ks, kmean, v8, vs = torch.ops.omni_kernels.sage_quantize_qkv(
@@ -86,4 +79,4 @@ def _register_fake():
 
 _register_fake()
 
-__all__ = ["cuda_quantize_unsupported_reason", "quantize_qkv_cuda", "quantize_qkv_cuda_checked"]
+__all__ = ["cuda_quantize_unsupported_reason", "quantize_qkv_cuda"]
