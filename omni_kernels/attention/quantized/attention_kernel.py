@@ -95,7 +95,8 @@ def _sage_range(
             k = tl.load(k_ptrs + start_n.to(tl.int64) * HEAD_DIM)
         if SCORE_BIAS:
             bias = tl.full((q.shape[0], BLOCK_N), _SCORE_BIAS_BITS, tl.int32)
-            s_int = tl.dot(q, tl.trans(k), acc=bias)  # int8 x int8 -> int32, exact, biased
+            # (out_dtype names the int32 accumulator: the GPU frontend asserts acc's type against it)
+            s_int = tl.dot(q, tl.trans(k), acc=bias, out_dtype=tl.int32)  # int8 x int8 -> int32, exact, biased
             s = s_int.to(tl.float32, bitcast=True) - _SCORE_BIAS
         else:
             s_int = tl.dot(q, tl.trans(k))  # int8 x int8 -> int32, exact
