@@ -93,17 +93,23 @@ def _cuda_cmake_hints(cuda_home: str) -> list[str]:
     return hints
 
 
-def _loaded_libstdcxx() -> str | None:
-    """The shared C++ runtime this process (torch) has loaded, from /proc/self/maps (Linux)."""
+def _loaded_library(prefix: str) -> str | None:
+    """The path of a shared library named ``prefix``* that this process (torch) has loaded, from
+    /proc/self/maps (Linux), else ``None``."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1]
-                if os.path.basename(path).startswith("libstdc++.so"):
+                if os.path.basename(path).startswith(prefix):
                     return path
     except OSError:
         pass
     return None
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The shared C++ runtime this process (torch) has loaded."""
+    return _loaded_library("libstdc++.so")
 
 
 def _private_cxx_runtime_symbols(library: Path) -> list[str]:
@@ -158,6 +164,11 @@ class CMakeBuild(build_ext):
             # Torch's CMake config still runs the legacy FindCUDA, which reads this variable.
             args.append(f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}")
             args.extend(_cuda_cmake_hints(cuda_home))
+            # The cuBLASLt torch loaded (its nvidia wheel's, or the toolkit's): the FP8 GEMM op
+            # calls it, and must share the library (and handle) torch's own GEMMs use.
+            cublaslt = _loaded_library("libcublasLt.so")
+            if cublaslt:
+                args.append(f"-DOMNI_RUNTIME_CUBLASLT={cublaslt}")
         runtime = _loaded_libstdcxx()
         if runtime:
             args.append(f"-DOMNI_RUNTIME_LIBSTDCXX={runtime}")

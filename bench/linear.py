@@ -6,10 +6,12 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
 5120->5120, 5120->13824, 13824->5120), bf16 activations with outlier channels:
 
 * ``bf16``: ``F.linear`` (cuBLAS), the baseline.
-* ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"``, backend ``aten``
-  (per-token activation quantization + ``torch._scaled_mm`` row-wise, ``fast_accum="auto"``:
-  fast accumulation up to K=8192, promoted above; in eager mode one op,
-  ``omni_kernels::quantized_linear_fp8``, runs both from C++); ``omni-fp8-two-calls`` the
+* ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"`` as it comes (backend
+  ``auto``: on Hopper omni's cuBLASLt GEMM with a cached plan tuned on its first call,
+  ``"cublaslt"``; per-token activation quantization + the row-wise FP8 GEMM,
+  ``fast_accum="auto"``: fast accumulation up to K=8192, promoted above; in eager mode one op,
+  ``omni_kernels::quantized_linear_fp8``, runs both from C++); ``omni-fp8-aten`` the same with
+  ``torch._scaled_mm`` as the GEMM (backend ``aten``); ``omni-fp8-two-calls`` the
   same kernels through the two Python calls (``quantize_per_token``, then ``scaled_mm``), as
   eager layers ran before the one-op path; ``omni-fp8-precise`` / ``omni-fp8-fast``
   the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM;
@@ -22,7 +24,9 @@ Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4
 * ``torchao-fp8-dynamic``: torchao's ``Float8DynamicActivationFloat8WeightConfig``
   (per-row), when torchao imports; recorded as unavailable otherwise.
 * ``quant-cuda`` / ``quant-triton``: the activation quantization alone (FP8), and
-  ``gemm-fp8-aten`` the FP8 GEMM alone: where the W8A8 time goes.
+  ``gemm-fp8-aten`` / ``gemm-fp8-cublaslt`` the FP8 GEMM alone: where the W8A8 time goes. The
+  cuBLASLt plans (the algorithm each problem runs, and for tuned plans the heuristic's first
+  choice's time beside the chosen one's) are listed under the tables.
 * ``bf16+gelu`` / ``omni-fp8+gelu``, at the MLP/FFN down projections only (their input is a
   GELU's output): the GELU and the layer as the model runs them, bf16 ``F.gelu`` then
   ``F.linear`` against omni's GELU fused into the FP8 activation quantization
@@ -47,7 +51,9 @@ bf16 eager, FP8 eager, FP8 with ``torch.compile`` (the repeated blocks compiled,
 ``fullgraph=True`` when it traces) and INT8 eager; the embedders, ``norm_out`` and
 ``proj_out`` stay bf16. ``fp8-eager-fused-norm-rope``: FP8 eager with the Flux adapter's
 fused QK-norm + RoPE attention processor as well (the other eager cost besides the linears;
-``omni_diffusion.AccelConfig.fused_norm_rope``), removed again before the compiled row. Median of timed steps (CUDA events), relative L2 error of
+``omni_diffusion.AccelConfig.fused_norm_rope``), removed again before the compiled row;
+``fp8-eager-fused-norm-rope-aten`` the same with ``torch._scaled_mm`` as every layer's GEMM
+(backend ``aten``) instead of ``auto``'s choice (on Hopper omni's cached cuBLASLt plans). Median of timed steps (CUDA events), relative L2 error of
 each output against the bf16 step, model memory and peak memory of a step.
 
 Output: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
@@ -65,6 +71,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
+import functools
 import gc
 import json
 import statistics
@@ -126,7 +133,7 @@ DEFAULT_SHAPE_GROUPS = ("flux", "wan")
 # the time goes and which backend "auto" should prefer.
 ESSENTIAL = ("bf16", "omni-fp8", "omni-int8", "torchao-fp8-dynamic")
 VARIANTS = ESSENTIAL + (
-    "quant-cuda", "quant-triton", "gemm-fp8-aten", "omni-int8-aten", "omni-fp8-triton", "omni-fp8-triton-quant",
+    "omni-fp8-aten", "quant-cuda", "quant-triton", "gemm-fp8-aten", "gemm-fp8-cublaslt", "omni-int8-aten", "omni-fp8-triton", "omni-fp8-triton-quant",
     "omni-fp8-two-calls",
     "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-wo-aten", "omni-fp8-wo-triton", "omni-int8-wo-aten",
     "omni-int8-wo-triton", "omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv",
@@ -249,23 +256,25 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         if variant == "bf16+gelu":
             return lambda: F.linear(F.gelu(x, approximate="tanh"), linear.weight, linear.bias), True
         if variant == "omni-fp8+gelu":
-            layer = omni("fp8", "aten")
+            layer = omni("fp8", "auto")
             return (lambda: scaled_mm(*quantize_activated_per_token(x, "fp8"), layer.qweight, layer.weight_scale,
-                                      layer.bias, torch.bfloat16, backend="aten")), True
+                                      layer.bias, torch.bfloat16)), True
         if variant == "omni-fp8":
+            return omni("fp8", "auto"), True
+        if variant == "omni-fp8-aten":
             return omni("fp8", "aten"), True
         if variant == "omni-fp8-precise":
-            return omni("fp8", "aten", fast_accum=False), True
+            return omni("fp8", "auto", fast_accum=False), True
         if variant == "omni-fp8-fast":
-            return omni("fp8", "aten", fast_accum=True), True
+            return omni("fp8", "auto", fast_accum=True), True
         if variant == "omni-fp8-triton":
             return omni("fp8", "triton"), True
         if variant == "omni-fp8-two-calls":
-            layer = omni("fp8", "aten")
+            layer = omni("fp8", "auto")
             return (lambda: scaled_mm(*quantize_per_token(x, "fp8"), layer.qweight, layer.weight_scale,
-                                      layer.bias, torch.bfloat16, backend="aten")), True
+                                      layer.bias, torch.bfloat16)), True
         if variant == "omni-fp8-triton-quant":
-            return omni("fp8", "aten", activation_backend="triton"), True
+            return omni("fp8", "auto", activation_backend="triton"), True
         if variant == "omni-int8":
             return omni("int8", "triton"), True
         if variant == "omni-int8-aten":
@@ -278,11 +287,12 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
         if variant.startswith("quant-"):
             backend = variant[len("quant-"):]
             return (lambda: quantize_per_token(x, "fp8", backend=backend)), False
-        if variant == "gemm-fp8-aten":
-            layer = omni("fp8", "aten")
+        if variant.startswith("gemm-fp8-"):
+            backend = variant[len("gemm-fp8-"):]
+            layer = omni("fp8", backend)
             x_q, x_scale = quantize_per_token(x, "fp8")
             return (lambda: scaled_mm(x_q, x_scale, layer.qweight, layer.weight_scale, layer.bias,
-                                      torch.bfloat16, backend="aten")), False
+                                      torch.bfloat16, backend=backend)), False
         raise ValueError(variant)
 
     rows = []
@@ -295,7 +305,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
             continue
         try:
             fn, is_layer = make(variant)
-            call = (lambda: fn(x)) if isinstance(fn, nn.Module) else fn
+            # (fn bound now: the later rounds call these after the loop has rebound the name)
+            call = functools.partial(fn, x) if isinstance(fn, nn.Module) else fn
             with torch.no_grad():
                 out = call()  # warm-up: autotuning, compilation
                 torch.cuda.synchronize()
@@ -487,8 +498,15 @@ def _run_transformer(budget: _Budget, steps: int, variants):
                 rows.append(row)
                 continue
             undo_fused = None
+            gemm_backends = {}
             try:
-                if variant.endswith("fused-norm-rope"):
+                if variant.endswith("-aten"):  # the same layers with torch._scaled_mm as their GEMM
+                    from omni_kernels.quant import QuantizedLinear
+
+                    gemm_backends = {m: m.backend for m in model.modules() if isinstance(m, QuantizedLinear)}
+                    for layer in gemm_backends:
+                        layer.backend = "aten"
+                if "fused-norm-rope" in variant:
                     from omni_diffusion.adapters import adapter_for_transformer
 
                     undo_fused = adapter_for_transformer(model).apply_fused_norm_rope(model)
@@ -510,6 +528,8 @@ def _run_transformer(budget: _Budget, steps: int, variants):
             finally:
                 if undo_fused is not None:
                     undo_fused()
+                for layer, backend in gemm_backends.items():
+                    layer.backend = backend
             rows.append(row)
         model = None
         gc.collect()
@@ -592,12 +612,17 @@ def _markdown(env, linear_rows, step_rows) -> str:
             else:
                 lines.append(f"| {r['variant']} | - | - | - | - | - | - | {str(r.get('status')).replace('|', '/')} |")
         lines.append("")
+    if env.get("cublaslt_plans"):
+        lines += ["## cuBLASLt FP8 GEMM plans (omni's `cublaslt` backend)", ""]
+        lines += [f"- {plan}" for plan in env["cublaslt_plans"]]
+        lines.append("")
     return "\n".join(lines)
 
 
-STEP_VARIANTS = ("fp8-eager", "fp8-eager-fused-norm-rope", "fp8-compiled", "int8-eager")
+STEP_VARIANTS = ("fp8-eager", "fp8-eager-fused-norm-rope", "fp8-eager-fused-norm-rope-aten", "fp8-compiled",
+                 "int8-eager")
 # Measured only while time is left (--budget-s).
-_OPTIONAL_STEP_VARIANTS = ("fp8-eager-fused-norm-rope", "int8-eager")
+_OPTIONAL_STEP_VARIANTS = ("fp8-eager-fused-norm-rope", "fp8-eager-fused-norm-rope-aten", "int8-eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -658,6 +683,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
 
     env["elapsed_s"] = budget.elapsed()
+    from omni_kernels.quant import fp8_gemm_plans
+
+    env["cublaslt_plans"] = fp8_gemm_plans()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"linear_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -31,13 +32,30 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
 
 // An FP8 W8A8 linear layer in one call: per-token FP8 quantization of x [M, K] (fp16/bf16,
 // 16-byte aligned rows; clamp <= 0: none) with quantize_per_token's kernel, then
-// torch._scaled_mm with row-wise scales: out [M, N] = (q * scale) @ (w_q * w_scale)^T + bias in
+// an FP8 GEMM with row-wise scales: out [M, N] = (q * scale) @ (w_q * w_scale)^T + bias in
 // x's dtype. w_q [N, K] float8_e4m3fn row-major, w_scale [N] float32, bias [N] in x's dtype or
-// none. For eager calls: one dispatched op where the Python path makes two and their checks.
+// none. gemm: "aten" (torch._scaled_mm), "cublaslt" (fp8_gemm_cublaslt's cached plan, the
+// heuristic's choice) or "cublaslt_tuned" (its plan tuned on first use). For eager calls: one
+// dispatched op where the Python path makes two and their checks.
 torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& w_q,
                                    const torch::Tensor& w_scale,
                                    const std::optional<torch::Tensor>& bias, double clamp,
-                                   bool use_fast_accum);
+                                   bool use_fast_accum, c10::string_view gemm);
+
+// FP8 GEMM with row-wise scales through cuBLASLt (csrc/quant/fp8_gemm_cublaslt.cpp), with one
+// cached plan (descriptors, algorithm) per problem: out [M, N] = (a * a_scale[:, None]) @
+// (w * w_scale[:, None])^T + bias in out_dtype (bfloat16 or float16). a [M, K] and w [N, K]
+// float8_e4m3fn, K and N multiples of 16; a_scale [M] and w_scale [N] float32 (any shape with
+// that many values); bias [N] in out_dtype or none. Operands that are not contiguous and 16-byte
+// aligned are copied first.
+// tune: the plan's first call outside stream capture times cuBLASLt's candidates and keeps the
+// fastest (it synchronizes the stream once).
+torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a, const torch::Tensor& a_scale,
+                                const torch::Tensor& w, const torch::Tensor& w_scale,
+                                const std::optional<torch::Tensor>& bias, at::ScalarType out_dtype,
+                                bool use_fast_accum, bool tune);
+// One line per cached fp8_gemm_cublaslt plan: the problem, the algorithm and how it was chosen.
+std::vector<std::string> fp8_gemm_cublaslt_plans();
 
 // Quantized attention on Hopper (csrc/attention/, CUDA only): softmax(scale * q k^T) v from the
 // quantized inputs of omni_kernels.attention.quantized (INT8 Q and smoothed K, FP8 V^T with its

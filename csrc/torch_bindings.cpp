@@ -27,13 +27,22 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "ScalarType out_dtype) -> (Tensor, Tensor)");
   ops.impl("quantize_activated", torch::kCUDA, &quantize_activated);
 
-  // FP8 W8A8 linear: the per-token quantization above, then torch._scaled_mm (row-wise scales).
+  // FP8 W8A8 linear: the per-token quantization above, then an FP8 GEMM with row-wise scales
+  // (gemm: "aten" torch._scaled_mm, "cublaslt" or "cublaslt_tuned" fp8_gemm_cublaslt below).
   ops.def(
       "quantized_linear_fp8(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, float clamp, "
-      "bool use_fast_accum) -> Tensor");
+      "bool use_fast_accum, str gemm) -> Tensor");
   ops.impl("quantized_linear_fp8", torch::kCUDA, &quantized_linear_fp8);
 
+
 #ifndef USE_ROCM
+  // FP8 GEMM with row-wise scales through cuBLASLt, one cached (optionally tuned) plan a problem.
+  ops.def(
+      "fp8_gemm_cublaslt(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
+      "ScalarType out_dtype, bool use_fast_accum, bool tune) -> Tensor");
+  ops.impl("fp8_gemm_cublaslt", torch::kCUDA, &fp8_gemm_cublaslt);
+  ops.def("fp8_gemm_cublaslt_plans() -> str[]", &fp8_gemm_cublaslt_plans);
+
   // Hopper quantized attention (INT8 QK^T, FP8 PV with wgmma) on quantize_qkv's outputs.
   ops.def(
       "sage_attention_sm90(Tensor q_int8, Tensor q_scale, Tensor q_kmean, Tensor k_int8, "

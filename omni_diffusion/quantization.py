@@ -168,7 +168,8 @@ class QuantConfig:
             this stay in full precision. Default 0 (callers pass the measured
             per-family value).
         backend: GEMM backend of the quantized layers: ``"auto"``, ``"aten"``,
-            ``"triton"`` or ``"torch"`` (see :mod:`omni_kernels.quant.linear`).
+            ``"cublaslt"`` (FP8 W8A8 only), ``"triton"`` or ``"torch"`` (see
+            :mod:`omni_kernels.quant.linear`).
         activation_backend: activation quantization backend: ``"auto"``,
             ``"cuda"``, ``"triton"``, ``"torch"`` or ``"split"`` (below).
         split_k: with ``activation_backend="split"`` only: the widest input
@@ -238,6 +239,12 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.min_features must be an int >= 0; got {self.min_features!r}")
         if self.backend not in LINEAR_BACKENDS:
             raise ValueError(f"QuantConfig.backend must be one of {LINEAR_BACKENDS}; got {self.backend!r}")
+        other_methods = sorted({m for m in (self.method, *(m for _, m in self.layer_methods)) if m != "fp8"})
+        if self.backend == "cublaslt" and other_methods:
+            raise ValueError(
+                f"QuantConfig.backend='cublaslt' is omni's FP8 W8A8 GEMM; it cannot run method(s) {other_methods} "
+                f"(use backend 'auto', which picks per layer)"
+            )
         if self.activation_backend not in ACTIVATION_BACKENDS:
             raise ValueError(
                 f"QuantConfig.activation_backend must be one of {ACTIVATION_BACKENDS}; "

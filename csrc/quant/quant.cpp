@@ -247,8 +247,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
 torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& w_q,
                                    const torch::Tensor& w_scale,
                                    const std::optional<torch::Tensor>& bias, double clamp,
-                                   bool use_fast_accum) {
+                                   bool use_fast_accum, c10::string_view gemm) {
   constexpr const char* kOp = "quantized_linear_fp8";
+  TORCH_CHECK(gemm == "aten" || gemm == "cublaslt" || gemm == "cublaslt_tuned", kOp,
+              ": gemm must be 'aten', 'cublaslt' or 'cublaslt_tuned'; got '", gemm, "'");
   TORCH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == at::ScalarType::Float8_e4m3fn, kOp,
               ": w_q must be a 2-D float8_e4m3fn [N, K]; got a ", w_q.dim(), "-D ",
               w_q.scalar_type());
@@ -267,6 +269,14 @@ torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& 
   // quantize_per_token checks x (CUDA, fp16/bf16, 16-byte aligned rows, K a multiple of 8).
   auto quantized = quantize_per_token(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                                       0, 0.0, clamp, at::ScalarType::Float8_e4m3fn);
+  if (gemm != "aten") {
+#ifdef USE_ROCM
+    TORCH_CHECK(false, kOp, ": gemm '", gemm, "' is cuBLASLt's, which a ROCm build has not");
+#else
+    return fp8_gemm_cublaslt(std::get<0>(quantized), std::get<1>(quantized), w_q, w_scale, bias,
+                             x.scalar_type(), use_fast_accum, gemm == "cublaslt_tuned");
+#endif
+  }
   // Row-wise scales: scale_a [M, 1] (the activation's), scale_b [1, N] (the weight's); the
   // weight's transpose is the column-major operand cuBLASLt's FP8 GEMM needs.
   return at::_scaled_mm(std::get<0>(quantized), w_q.t(), std::get<1>(quantized),

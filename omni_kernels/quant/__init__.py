@@ -11,7 +11,8 @@
 * :func:`quantize_weight`: per-output-channel weight quantization (once, at load time).
 * :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
-  ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
+  ``"cublaslt"`` (FP8 W8A8: omni's cuBLASLt op, one cached and tuned plan per problem;
+  :func:`fp8_gemm_plans` lists them), ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
   ``"torch"`` (float32 reference); weight-only also ``"triton_gemv"``
   (:mod:`.triton_gemv`, for ``M <= 16`` rows: :data:`WEIGHT_ONLY_BACKENDS`).
 * :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them
@@ -34,6 +35,7 @@ from omni_kernels.quant.linear import (
     SCALED_MM_ALIGNMENT,
     WEIGHT_ONLY_BACKENDS,
     QuantizedLinear,
+    fp8_gemm_plans,
     quantize_weight,
     quantized_linear,
     resolve_activation_backend,
@@ -71,6 +73,7 @@ __all__ = [
     "WEIGHT_ONLY_BACKENDS",
     "QuantizedLinear",
     "dequantize",
+    "fp8_gemm_plans",
     "fp8_unsupported_reason",
     "quantize_per_token",
     "quantize_per_token_reference",

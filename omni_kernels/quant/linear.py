@@ -14,6 +14,12 @@ dequantized weight. The GEMM backends:
   multiples of 8) and the dequantization, bias and cast as separate torch
   ops. Weight-only: the weight dequantized to the activation dtype
   (``w_q * w_scale`` rounded once) and ``F.linear``.
+* ``"cublaslt"`` (FP8 W8A8 only, CUDA): omni's op ``omni_kernels::fp8_gemm_cublaslt``, the
+  same cuBLASLt FP8 GEMM with row-wise (outer-vector) scales that ``torch._scaled_mm`` runs on
+  Hopper, bias and output cast fused, but with one cached plan per problem (descriptors built
+  once: less host time a call) whose algorithm the first call times among cuBLASLt's heuristic
+  candidates (the stream is synchronized once per new shape; inside CUDA-graph capture the
+  heuristic's first choice runs untimed). :func:`fp8_gemm_plans` lists the plans.
 * ``"triton"``: omni's Triton GEMM (:mod:`.triton_gemm`), dequantization,
   bias and cast fused in its epilogue; takes any shape.
 * ``"triton_gemv"`` (weight-only only, :data:`WEIGHT_ONLY_BACKENDS`): omni's Triton
@@ -62,6 +68,7 @@ from omni_kernels._extension import has_compiled_extension
 from omni_kernels.quant.dispatch import (
     CUDA_STAGED_MAX_ROW,
     QUANTIZE_BACKENDS,
+    device_capability,
     fp8_unsupported_reason,
     quantize_per_token,
     resolve_quant_dtype,
@@ -78,10 +85,10 @@ from omni_kernels.quant.reference import (
 
 logger = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "aten", "triton", "torch")
+LINEAR_BACKENDS = ("auto", "aten", "cublaslt", "triton", "torch")
 #: ``backend`` values of :func:`weight_only_mm` (and weight-only layers): :data:`LINEAR_BACKENDS`
-#: and the small-M GEMV.
-WEIGHT_ONLY_BACKENDS = (*LINEAR_BACKENDS, "triton_gemv")
+#: but the FP8 W8A8 GEMM ``"cublaslt"``, and the small-M GEMV.
+WEIGHT_ONLY_BACKENDS = (*(b for b in LINEAR_BACKENDS if b != "cublaslt"), "triton_gemv")
 #: ``activation_backend`` values of a W8A8 layer: :data:`QUANTIZE_BACKENDS` and ``"split"``.
 ACTIVATION_BACKENDS = (*QUANTIZE_BACKENDS, "split")
 # An H200 profile of a compiled Flux step (bench/results/pipeline-profile-flux_nvidia-h200_20261129.md):
@@ -109,6 +116,55 @@ _INT_MM_ALIGNMENT = 8
 _INT_MM_MIN_M = 17
 
 _logged_auto_choices: set[tuple] = set()
+
+
+# --------------------------------------------------------------------------- cuBLASLt op
+
+
+# (An extension built before the op existed lacks it; the "cublaslt" backend then names why.)
+_HAS_CUBLASLT_OP = has_compiled_extension() and hasattr(torch.ops.omni_kernels, "fp8_gemm_cublaslt")
+# The compute capabilities where "auto" puts cuBLASLt first: where it was measured against
+# torch._scaled_mm (bench/linear.py on the H200). Elsewhere "cublaslt" must be asked for.
+_CUBLASLT_AUTO_CAPABILITIES = ((9, 0),)
+if _HAS_CUBLASLT_OP:
+    @torch.library.register_fake("omni_kernels::fp8_gemm_cublaslt")
+    def _(a, a_scale, w, w_scale, bias, out_dtype, use_fast_accum, tune):
+        return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+def fp8_gemm_plans() -> list[str]:
+    """One line per cached plan of the ``"cublaslt"`` FP8 GEMM in this process: the problem
+    (device, M, N, K, output dtype, bias, accumulation), cuBLASLt's algorithm (id, tile, stages,
+    split-K, cluster) and how it was chosen (tuned: its rank among the timed candidates, its
+    time and the heuristic's first choice's). Empty without the compiled op."""
+    return list(torch.ops.omni_kernels.fp8_gemm_cublaslt_plans()) if _HAS_CUBLASLT_OP else []
+
+
+def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, auto: bool) -> str | None:
+    """Why omni's cuBLASLt FP8 GEMM cannot take a ``[M, K] x [N, K]^T`` problem on ``device``
+    (``auto``: or why ``backend="auto"`` passes it over), else ``None``."""
+    if device.type != "cuda":
+        return f"omni's cuBLASLt GEMM runs on CUDA tensors; got {device}"
+    if not _HAS_CUBLASLT_OP:
+        return ("omni_kernels._C has no fp8_gemm_cublaslt op (the compiled extension is missing "
+                "or older than the op: build it, e.g. `make build`)")
+    reason = fp8_unsupported_reason(device)
+    if reason is not None:
+        return reason
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        return f"omni's cuBLASLt GEMM writes bfloat16 or float16; got out_dtype {out_dtype}"
+    if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
+        return f"cuBLASLt's FP8 GEMM needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
+    if auto and not torch.compiler.is_compiling() and device_capability(device) not in _CUBLASLT_AUTO_CAPABILITIES:
+        return (f"'auto' takes it on compute capability {_CUBLASLT_AUTO_CAPABILITIES} only (measured there); "
+                f"ask for backend='cublaslt' elsewhere")
+    return None
+
+
+def _cublaslt_reason(x_q, w_q, out_dtype, *, auto: bool = False) -> str | None:
+    if x_q.dtype != FP8_DTYPE or w_q.dtype != FP8_DTYPE:
+        return f"omni's cuBLASLt GEMM is FP8 only; got {x_q.dtype} and {w_q.dtype} operands"
+    return _cublaslt_problem_reason(x_q.device, x_q.shape[1], w_q.shape[0], out_dtype, auto)
 
 
 # --------------------------------------------------------------------------- Triton op
@@ -251,7 +307,7 @@ def _auto_order(kind: str, device: torch.device, m: int) -> tuple[str, ...]:
     if device.type != "cuda":
         return ("aten", "torch")
     if kind == "fp8":
-        return ("aten", "triton", "torch")
+        return ("cublaslt", "aten", "triton", "torch")
     if kind == "int8":
         return ("triton", "aten", "torch")
     if m <= GEMV_MAX_M:
@@ -358,12 +414,20 @@ def scaled_mm(
     def reason_of(candidate):
         if candidate == "aten":
             return _aten_w8a8_reason(x_q, w_q, out_dtype)
+        if candidate == "cublaslt":
+            return _cublaslt_reason(x_q, w_q, out_dtype, auto=backend == "auto")
         if candidate == "triton":
             return _triton_reason(x_q, w_q, out_dtype)
         return None
 
     chosen = _choose(kind, backend, reason_of, x_q.device, m, "scaled_mm")
     x_scale = float32_shaped(x_scale, (m, 1))
+    if chosen == "cublaslt":
+        return torch.ops.omni_kernels.fp8_gemm_cublaslt(
+            x_q, x_scale, w_q, float32_shaped(w_scale, (n,)),
+            bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
+            out_dtype, fast_accum, True,
+        )
     if kind == "fp8" and chosen == "aten":
         return torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=float32_shaped(w_scale, (1, n)),
@@ -555,13 +619,14 @@ def quantized_linear(
         out = scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, backend=backend, fast_accum=fast_accum)
     elif method.endswith("_weight_only"):
         out = weight_only_mm(x2, w_q, w_scale, bias, backend=backend)
-    elif fused_fp8_eager_eligible(x2, w_q, w_scale, bias, backend, activation_backend):
-        if "fused_fp8" not in _logged_auto_choices:
-            _logged_auto_choices.add("fused_fp8")
+    elif (gemm := fused_fp8_eager_gemm(x2, w_q, w_scale, bias, backend, activation_backend)) is not None:
+        if ("fused_fp8", gemm) not in _logged_auto_choices:
+            _logged_auto_choices.add(("fused_fp8", gemm))
             logger.info("quantized_linear (fp8) in eager mode: one op, omni's CUDA per-token "
-                        "quantization then torch._scaled_mm (omni_kernels::quantized_linear_fp8)")
+                        "quantization then the FP8 GEMM %r (omni_kernels::quantized_linear_fp8)", gemm)
         out = torch.ops.omni_kernels.quantized_linear_fp8(
-            x2, w_q, w_scale, bias, float(clamp) if clamp is not None else 0.0, resolve_fast_accum(fast_accum, k)
+            x2, w_q, w_scale, bias, float(clamp) if clamp is not None else 0.0, resolve_fast_accum(fast_accum, k),
+            gemm,
         )
     else:
         x_q, x_scale = quantize_per_token(
@@ -571,44 +636,52 @@ def quantized_linear(
     return out if x.dim() == 2 else out.reshape(*lead, w_q.shape[0])
 
 
-def fused_fp8_eager_eligible(
+def fused_fp8_eager_gemm(
     x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
     backend: str, activation_backend: str,
-) -> bool:
-    """Whether an eager FP8 W8A8 call on ``x2`` ``[M, K]`` may run as the one op
-    ``torch.ops.omni_kernels.quantized_linear_fp8`` (omni's CUDA per-token quantization, then
-    ``torch._scaled_mm`` with row-wise scales, from C++): exactly what the two-call path's
-    ``auto`` choices run there (the CUDA op's staged kernel, then ``"aten"``), for one
+) -> str | None:
+    """The ``gemm`` argument with which an eager FP8 W8A8 call on ``x2`` ``[M, K]`` may run as the
+    one op ``torch.ops.omni_kernels.quantized_linear_fp8`` (omni's CUDA per-token quantization,
+    then the FP8 GEMM, from C++), or ``None`` where it may not. The op runs exactly what the
+    two-call path's choices run there (the CUDA op's staged kernel, then the GEMM ``backend``
+    resolves to: ``"cublaslt_tuned"`` for ``"cublaslt"``, ``"aten"`` for ``"aten"``), for one
     dispatched call instead of two with their Python checks. On the H200's host an eager FP8
     layer at Flux's 4608 x 3072 -> 3072 took 66-86 us of host time against ~80 us of GPU time
     (bench/results/linear-flux-eager-auto_*): the host bounded it.
 
     Needs: eager mode without dispatch modes on plain tensors, the compiled extension, CUDA
     bfloat16 ``x2`` with 16-byte aligned rows, ``K <= CUDA_STAGED_MAX_ROW``, ``K`` and ``N``
-    multiples of 16, a GPU with FP8 tensor cores, a bias in bfloat16 or none, ``backend`` and
-    ``activation_backend`` left to ``auto`` (or naming these same kernels: ``"aten"``; ``"cuda"``
-    or ``"split"``, which is ``auto`` in eager mode)."""
-    if backend not in ("auto", "aten") or activation_backend not in ("auto", "cuda", "split"):
-        return False
+    multiples of 16, a GPU with FP8 tensor cores, a bias in bfloat16 or none, ``backend``
+    ``"auto"``, ``"cublaslt"`` or ``"aten"``, and ``activation_backend`` naming the CUDA kernel
+    (``"auto"``, ``"cuda"`` or ``"split"``, which are that kernel in eager mode)."""
+    if backend not in ("auto", "cublaslt", "aten") or activation_backend not in ("auto", "cuda", "split"):
+        return None
     # First: under torch.compile or a dispatch mode the tensors may be fake (no data_ptr).
     if not _HAS_FUSED_FP8_OP or not eager_launch_allowed(x2, w_q, w_scale, bias):
-        return False
+        return None
     if x2.dtype != torch.bfloat16 or not x2.is_cuda or w_q.dtype != FP8_DTYPE:
-        return False
+        return None
     k, n = x2.shape[1], w_q.shape[0]
     # Anything the op would refuse takes the two-call path, whose checks raise ValueError.
     if w_q.dim() != 2 or w_q.shape[1] != k or k > CUDA_STAGED_MAX_ROW or k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
-        return False
+        return None
     if x2.shape[0] == 0 or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        return False
+        return None
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
-        return False
+        return None
     if w_scale.dtype != torch.float32 or w_scale.numel() != n or not w_scale.is_contiguous():
-        return False
-    return fp8_unsupported_reason(x2.device) is None
+        return None
+    if fp8_unsupported_reason(x2.device) is not None:
+        return None
+    if backend == "aten":
+        return "aten"
+    if _cublaslt_problem_reason(x2.device, k, n, x2.dtype, backend == "auto") is None:
+        return "cublaslt_tuned"
+    # "cublaslt" asked for and refused: the two-call path raises the reason.
+    return "aten" if backend == "auto" else None
 
 
-def _fake_quantized_linear_fp8(x, w_q, w_scale, bias, clamp, use_fast_accum):
+def _fake_quantized_linear_fp8(x, w_q, w_scale, bias, clamp, use_fast_accum, gemm):
     return x.new_empty((x.shape[0], w_q.shape[0]))
 
 

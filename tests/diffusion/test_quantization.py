@@ -491,6 +491,14 @@ def test_fuse_projections_config_field():
         QuantConfig(fuse_projections="yes")
 
 
+def test_cublaslt_backend_config_is_fp8_only():
+    assert QuantConfig(backend="cublaslt").backend == "cublaslt"
+    with pytest.raises(ValueError, match=r"backend='cublaslt' is omni's FP8 W8A8 GEMM; .*\['int8'\]"):
+        QuantConfig(method="int8", backend="cublaslt")
+    with pytest.raises(ValueError, match=r"cannot run method\(s\) \['int8_weight_only'\]"):
+        QuantConfig(backend="cublaslt", layer_methods={"*.norm1.linear": "int8_weight_only"})
+
+
 # Inductor evaluates norms and modulation in its own fused order, so a quantized value may
 # cross a rounding boundary now and then (one step of one element ~3e-4 relative L2 at these
 # sizes); measured 6e-8 (INT8) and 0 (FP8). Far below the quantization error (MODEL_TOLERANCE).

@@ -117,3 +117,21 @@ def test_gelu_rows_compare_with_bf16_gelu(bench, monkeypatch):
     assert plain["speedup_vs_bf16"] == 1.0 and gelu["speedup_vs_bf16"] == 1.0  # each its own baseline
     # bf16 rounding only: each row is compared with its own float32 reference
     assert plain["rel_err"] < 1e-2 and gelu["rel_err"] < 1e-2
+
+
+def test_later_rounds_time_each_rows_own_layer(bench, monkeypatch):
+    """Every round calls each row's own layer (not the one the loop built last): on the CPU the
+    timer is replaced by the sum of the call's output, which differs between an INT8 and an FP8
+    weight-only layer and must repeat across one row's rounds."""
+    import torch
+
+    _on_cpu(bench, monkeypatch)
+    monkeypatch.setattr(bench, "_bench", lambda call: float(call().double().sum()))
+    shape = bench.LinearShape("tiny", "test", 8, 64, 32)
+    with torch.no_grad():
+        rows = bench._run_linear_shape(shape, ["bf16", "omni-int8-wo-aten", "omni-fp8-wo-aten"], seed=0,
+                                       budget=bench._Budget(1e9, 1e9), rounds=3)
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    sums = [r["round_medians_us"] for r in rows]
+    assert all(len(set(s)) == 1 for s in sums), sums
+    assert len({s[0] for s in sums}) == 3, sums
