@@ -225,17 +225,20 @@ class SageConfig:
     head_dim 128, needs the compiled extension; its tile is fixed at 128 x 128 with
     three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
     ``num_warps``/``num_stages``/``use_tma``/``warp_specialize``/``score_bias`` describe
-    nothing: it always reads scores through the bias).
+    nothing for it).
 
     ``fma_exp2_eighths`` (cuda_sm90 only; 0, 2, 3 or 4): that many of every 8 scores get
     their ``exp2`` from a degree-3 polynomial on the FMA pipes (relative error 7.5e-5, under
     the e4m3 rounding of P that follows) instead of the special-function unit, which also runs
-    P's conversion to e4m3 and bounds the softmax; 0 until a share is measured faster.
+    P's conversion to e4m3; 0, the fastest: on the H200 every share measured slower (Wan 720p,
+    kernel alone: 678 TFLOP/s at 0, 549 / 609 / 619 at 2 / 3 / 4 eighths,
+    bench/results/quantized_attention_tune-exp2-split_nvidia-h200_20261130.md).
 
     ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
     ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
-    float32 values without an int-to-float conversion per score (off by default until it is
-    measured faster on the GPU).
+    float32 values without an int-to-float conversion per score. Off by default: measured
+    slower on the H200 (Wan 720p: 674 vs 740 TFLOP/s for M64xN128, the same file), as was the
+    same change in the CUDA kernel (reverted there).
     """
 
     block_m: int
@@ -246,7 +249,7 @@ class SageConfig:
     warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
     kernel: str = "triton"
     # S's int32 accumulator starts from a float bias, so the scores reach float32 without an
-    # int-to-float conversion (same values; the CUDA kernel always does this).
+    # int-to-float conversion (same values; measured slower on the H200, hence off).
     score_bias: bool = False
     # cuda_sm90 only: this many of every 8 scores take their exp2 from a polynomial on the FMA
     # pipes instead of the special-function unit (which also packs P to e4m3).
