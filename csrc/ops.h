@@ -48,8 +48,9 @@ torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& 
 // float8_e4m3fn, K and N multiples of 16; a_scale [M] and w_scale [N] float32 (any shape with
 // that many values); bias [N] in out_dtype or none. Operands that are not contiguous and 16-byte
 // aligned are copied first.
-// tune: the plan's first call outside stream capture times cuBLASLt's candidates and keeps the
-// fastest (it synchronizes the stream once).
+// tune: the plan's first call outside stream capture times cuBLASLt's heuristic candidates and
+// the configurations it accepts (within a GPU-time budget) and keeps the fastest (it
+// synchronizes the stream once).
 torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a, const torch::Tensor& a_scale,
                                 const torch::Tensor& w, const torch::Tensor& w_scale,
                                 const std::optional<torch::Tensor>& bias, at::ScalarType out_dtype,
