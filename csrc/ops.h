@@ -8,6 +8,17 @@
 
 #include <torch/all.h>
 
+#ifndef USE_ROCM
+#include <cublas_api.h>
+#endif
+// cuBLASLt's FP8 GEMM with outer-vector (row-wise) scales arrived in cuBLAS 12.9: older toolkits
+// build the extension without fp8_gemm_cublaslt (its op is then not registered).
+#if !defined(USE_ROCM) && defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+#define OMNI_HAS_CUBLASLT_FP8 1
+#else
+#define OMNI_HAS_CUBLASLT_FP8 0
+#endif
+
 // Fused QK-RMSNorm + rotary embedding (csrc/qk_norm_rope/). Writes q_out and k_out.
 void qk_rmsnorm_rope(torch::Tensor& q_out, torch::Tensor& k_out, const torch::Tensor& q,
                      const torch::Tensor& k, const std::optional<torch::Tensor>& q_weight,
@@ -34,14 +45,15 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_activated(
 // 16-byte aligned rows; clamp <= 0: none) with quantize_per_token's kernel, then
 // an FP8 GEMM with row-wise scales: out [M, N] = (q * scale) @ (w_q * w_scale)^T + bias in
 // x's dtype. w_q [N, K] float8_e4m3fn row-major, w_scale [N] float32, bias [N] in x's dtype or
-// none. gemm: "aten" (torch._scaled_mm), "cublaslt" (fp8_gemm_cublaslt's cached plan, the
-// heuristic's choice) or "cublaslt_tuned" (its plan tuned on first use). For eager calls: one
-// dispatched op where the Python path makes two and their checks.
+// none. gemm: "aten" (torch._scaled_mm), "cublaslt" (fp8_gemm_cublaslt's cached plan, untuned:
+// the heuristic's choice, or whatever an earlier tuned call chose) or "cublaslt_tuned" (the plan
+// tuned on first use). For eager calls: one dispatched op where the Python path makes two.
 torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& w_q,
                                    const torch::Tensor& w_scale,
                                    const std::optional<torch::Tensor>& bias, double clamp,
                                    bool use_fast_accum, c10::string_view gemm);
 
+#if OMNI_HAS_CUBLASLT_FP8
 // FP8 GEMM with row-wise scales through cuBLASLt (csrc/quant/fp8_gemm_cublaslt.cpp), with one
 // cached plan (descriptors, algorithm) per problem: out [M, N] = (a * a_scale[:, None]) @
 // (w * w_scale[:, None])^T + bias in out_dtype (bfloat16 or float16). a [M, K] and w [N, K]
@@ -57,6 +69,7 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a, const torch::Tensor& a_s
                                 bool use_fast_accum, bool tune);
 // One line per cached fp8_gemm_cublaslt plan: the problem, the algorithm and how it was chosen.
 std::vector<std::string> fp8_gemm_cublaslt_plans();
+#endif
 
 // Quantized attention on Hopper (csrc/attention/, CUDA only): softmax(scale * q k^T) v from the
 // quantized inputs of omni_kernels.attention.quantized (INT8 Q and smoothed K, FP8 V^T with its

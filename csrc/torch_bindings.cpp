@@ -35,14 +35,16 @@ TORCH_LIBRARY(omni_kernels, ops) {
   ops.impl("quantized_linear_fp8", torch::kCUDA, &quantized_linear_fp8);
 
 
-#ifndef USE_ROCM
+#if OMNI_HAS_CUBLASLT_FP8
   // FP8 GEMM with row-wise scales through cuBLASLt, one cached (optionally tuned) plan a problem.
   ops.def(
       "fp8_gemm_cublaslt(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
       "ScalarType out_dtype, bool use_fast_accum, bool tune) -> Tensor");
   ops.impl("fp8_gemm_cublaslt", torch::kCUDA, &fp8_gemm_cublaslt);
   ops.def("fp8_gemm_cublaslt_plans() -> str[]", &fp8_gemm_cublaslt_plans);
+#endif
 
+#ifndef USE_ROCM
   // Hopper quantized attention (INT8 QK^T, FP8 PV with wgmma) on quantize_qkv's outputs.
   ops.def(
       "sage_attention_sm90(Tensor q_int8, Tensor q_scale, Tensor q_kmean, Tensor k_int8, "

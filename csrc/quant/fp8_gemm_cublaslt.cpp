@@ -30,6 +30,7 @@
 
 #include "ops.h"
 
+#if OMNI_HAS_CUBLASLT_FP8
 namespace omni::quant {
 namespace {
 
@@ -55,8 +56,10 @@ constexpr std::array<int32_t, 4> kSplitK = {1, 2, 3, 4};
 constexpr std::array<uint16_t, 3> kClusterShapes = {CUBLASLT_CLUSTER_SHAPE_1x1x1,
                                                     CUBLASLT_CLUSTER_SHAPE_2x1x1,
                                                     CUBLASLT_CLUSTER_SHAPE_1x2x1};
-// cuBLASLt's FP8 kernels need 16-byte aligned operands and leading dimensions.
+// cuBLASLt's FP8 kernels need 16-byte aligned operands and leading dimensions; operands that
+// are all 256-byte aligned (fresh allocations) may take algorithms that need that.
 constexpr int64_t kAlignBytes = 16;
+constexpr int64_t kWideAlignBytes = 256;
 
 #define OMNI_CUBLASLT_CHECK(expr, what)                                                    \
   do {                                                                                     \
@@ -72,9 +75,12 @@ struct PlanKey {
   at::ScalarType out_dtype;
   bool bias;
   bool fast_accum;
+  // The operands' common pointer alignment (kAlignBytes or kWideAlignBytes): an algorithm
+  // chosen for 256-byte aligned operands may not run on 16-byte aligned ones.
+  uint32_t alignment;
   bool operator==(const PlanKey& o) const {
     return device == o.device && m == o.m && n == o.n && k == o.k && out_dtype == o.out_dtype &&
-           bias == o.bias && fast_accum == o.fast_accum;
+           bias == o.bias && fast_accum == o.fast_accum && alignment == o.alignment;
   }
 };
 
@@ -83,7 +89,8 @@ struct PlanKeyHash {
     size_t h = std::hash<int64_t>()(key.m);
     for (int64_t part : {key.n, key.k, static_cast<int64_t>(key.device),
                          static_cast<int64_t>(key.out_dtype),
-                         static_cast<int64_t>(key.bias) * 2 + key.fast_accum}) {
+                         static_cast<int64_t>(key.bias) * 2 + key.fast_accum,
+                         static_cast<int64_t>(key.alignment)}) {
       h = h * 1000003u ^ std::hash<int64_t>()(part);
     }
     return h;
@@ -116,8 +123,9 @@ struct PlanCache {
 };
 
 PlanCache& plan_cache() {
-  static PlanCache cache;  // never destroyed before the descriptors' users: process lifetime
-  return cache;
+  // Never destroyed: descriptors are not torn down at exit, after cuBLASLt may be unloaded.
+  static PlanCache* cache = new PlanCache;
+  return *cache;
 }
 
 template <typename T>
@@ -161,12 +169,19 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key) {
 
 // The heuristic's candidates for the plan's problem that fit the workspace, best-ranked first.
 std::vector<cublasLtMatmulHeuristicResult_t> candidates(cublasLtHandle_t handle, const Plan& plan,
-                                                        size_t workspace, int count) {
+                                                        size_t workspace, uint32_t alignment,
+                                                        int count) {
   cublasLtMatmulPreference_t preference = nullptr;
   OMNI_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
   const uint64_t max_workspace = workspace;
-  const cublasStatus_t set_status = cublasLtMatmulPreferenceSetAttribute(
+  cublasStatus_t set_status = cublasLtMatmulPreferenceSetAttribute(
       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace));
+  for (auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    if (set_status == CUBLAS_STATUS_SUCCESS) {
+      set_status = cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment, sizeof(alignment));
+    }
+  }
   std::vector<cublasLtMatmulHeuristicResult_t> results(count);
   int returned = 0;
   const cublasStatus_t status =
@@ -205,27 +220,39 @@ cublasStatus_t run(cublasLtHandle_t handle, const Plan& plan, const cublasLtMatm
                         ops.workspace_size, ops.stream);
 }
 
+// CUDA events, destroyed with the object (also when a check throws).
+struct Events {
+  std::vector<cudaEvent_t> events;
+  explicit Events(int count) : events(count, nullptr) {
+    for (auto& event : events) C10_CUDA_CHECK(cudaEventCreate(&event));
+  }
+  ~Events() {
+    for (auto event : events) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+  }
+};
+
 // Median time (us) of `runs` runs of `algo` after `warmup`, or a negative value if it fails.
 float time_algo(cublasLtHandle_t handle, const Plan& plan, const cublasLtMatmulAlgo_t& algo,
                 const Operands& ops, int warmup, int runs) {
-  for (int i = 0; i < warmup; ++i) {
-    if (run(handle, plan, algo, ops) != CUBLAS_STATUS_SUCCESS) return -1.f;
-  }
-  std::vector<cudaEvent_t> events(runs + 1);
-  for (auto& event : events) C10_CUDA_CHECK(cudaEventCreate(&event));
-  C10_CUDA_CHECK(cudaEventRecord(events[0], ops.stream));
   bool ok = true;
-  for (int i = 0; i < runs && ok; ++i) {
-    ok = run(handle, plan, algo, ops) == CUBLAS_STATUS_SUCCESS;
-    C10_CUDA_CHECK(cudaEventRecord(events[i + 1], ops.stream));
+  for (int i = 0; i < warmup && ok; ++i) ok = run(handle, plan, algo, ops) == CUBLAS_STATUS_SUCCESS;
+  Events timing(runs + 1);
+  C10_CUDA_CHECK(cudaEventRecord(timing.events[0], ops.stream));
+  for (int i = 0; i < runs; ++i) {
+    if (ok) ok = run(handle, plan, algo, ops) == CUBLAS_STATUS_SUCCESS;
+    C10_CUDA_CHECK(cudaEventRecord(timing.events[i + 1], ops.stream));  // every event recorded
   }
-  C10_CUDA_CHECK(cudaEventSynchronize(events[runs]));
+  C10_CUDA_CHECK(cudaEventSynchronize(timing.events[runs]));
+  if (!ok) {
+    (void)cudaGetLastError();  // a refused launch must not surface in a later, unrelated check
+    return -1.f;
+  }
   std::vector<float> times(runs);
   for (int i = 0; i < runs; ++i) {
-    C10_CUDA_CHECK(cudaEventElapsedTime(&times[i], events[i], events[i + 1]));
+    C10_CUDA_CHECK(cudaEventElapsedTime(&times[i], timing.events[i], timing.events[i + 1]));
   }
-  for (auto& event : events) C10_CUDA_CHECK(cudaEventDestroy(event));
-  if (!ok) return -1.f;
   std::nth_element(times.begin(), times.begin() + runs / 2, times.end());
   return times[runs / 2] * 1000.f;
 }
@@ -264,6 +291,16 @@ uint32_t reduction_scheme(const cublasLtMatmulAlgo_t& algo) {
 
 // Configurations of every FP8 algorithm id that cuBLASLt accepts for the plan's problem, split-K
 // 1 first, each with the workspace it needs (which must fit `workspace`), up to `limit`.
+// Whether `algo` runs on operands aligned to `alignment` bytes.
+bool takes_alignment(const cublasLtMatmulAlgo_t& algo, uint32_t alignment) {
+  for (auto attribute : {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES,
+                         CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES}) {
+    const auto needed = algo_caps<uint32_t>(algo, attribute);
+    if (!needed.empty() && needed[0] > alignment) return false;
+  }
+  return true;
+}
+
 std::vector<cublasLtMatmulHeuristicResult_t> enumerated(cublasLtHandle_t handle, const Plan& plan,
                                                         const PlanKey& key, size_t workspace,
                                                         size_t limit) {
@@ -281,7 +318,8 @@ std::vector<cublasLtMatmulHeuristicResult_t> enumerated(cublasLtHandle_t handle,
       cublasLtMatmulAlgo_t base{};
       if (cublasLtMatmulAlgoInit(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3,
                                  CUDA_R_8F_E4M3, out_type, out_type, ids[i], &base) !=
-          CUBLAS_STATUS_SUCCESS) {
+          CUBLAS_STATUS_SUCCESS ||
+          !takes_alignment(base, key.alignment)) {
         continue;
       }
       uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
@@ -325,7 +363,8 @@ std::vector<cublasLtMatmulHeuristicResult_t> enumerated(cublasLtHandle_t handle,
 
 void choose_algo(cublasLtHandle_t handle, Plan& plan, const PlanKey& key, const Operands& ops,
                  bool tune) {
-  auto found = candidates(handle, plan, ops.workspace_size, tune ? kHeuristicCandidates : 1);
+  auto found = candidates(handle, plan, ops.workspace_size, key.alignment,
+                          tune ? kHeuristicCandidates : 1);
   plan.algo = found[0].algo;
   plan.algo_workspace = found[0].workspaceSize;
   plan.candidates = static_cast<int>(found.size());
@@ -423,9 +462,8 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a_in, const torch::Tensor& 
   const int64_t m = a_in.size(0), k = a_in.size(1), n = w_in.size(0);
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kOp,
               ": out_dtype must be bfloat16 or float16; got ", out_dtype);
-  TORCH_CHECK(m > 0, kOp, ": a must have at least one row");
-  TORCH_CHECK(k % kAlignBytes == 0 && n % kAlignBytes == 0, kOp, ": K and N must be multiples of ",
-              kAlignBytes, "; got K=", k, ", N=", n);
+  TORCH_CHECK(k > 0 && n > 0 && k % kAlignBytes == 0 && n % kAlignBytes == 0, kOp,
+              ": K and N must be positive multiples of ", kAlignBytes, "; got K=", k, ", N=", n);
   const torch::Tensor a = checked_operand(a_in, "a", m, k, a_in);
   const torch::Tensor w = checked_operand(w_in, "w", n, k, a_in);
   const torch::Tensor a_scale = checked_vector(a_scale_in, "a_scale", at::kFloat, m, a_in);
@@ -435,6 +473,7 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a_in, const torch::Tensor& 
 
   const c10::cuda::CUDAGuard device_guard(a.device());
   auto out = torch::empty({m, n}, a.options().dtype(out_dtype));
+  if (m == 0) return out;  // no rows: nothing to multiply (cuBLASLt refuses empty problems)
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const Operands ops{w.data_ptr(), a.data_ptr(), out.data_ptr(), at::cuda::getCUDABlasLtWorkspace(),
@@ -445,7 +484,13 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a_in, const torch::Tensor& 
   // first choice runs, and the plan is tuned by the first call outside.
   const bool may_time = tune && capture == cudaStreamCaptureStatusNone;
 
-  const PlanKey key{a.get_device(), m, n, k, out_dtype, bias.has_value(), use_fast_accum};
+  const std::array<const void*, 4> pointers = {a.data_ptr(), w.data_ptr(), out.data_ptr(),
+                                                bias ? bias->data_ptr() : out.data_ptr()};
+  const bool wide = std::all_of(pointers.begin(), pointers.end(), [](const void* ptr) {
+    return reinterpret_cast<uintptr_t>(ptr) % kWideAlignBytes == 0;
+  });
+  const PlanKey key{a.get_device(), m,  n, k, out_dtype, bias.has_value(), use_fast_accum,
+                    static_cast<uint32_t>(wide ? kWideAlignBytes : kAlignBytes)};
   PlanCache& cache = plan_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
   auto& slot = cache.plans[key];
@@ -472,7 +517,7 @@ std::vector<std::string> fp8_gemm_cublaslt_plans() {
     std::ostringstream line;
     line << "cuda:" << key.device << " M=" << key.m << " N=" << key.n << " K=" << key.k << " "
          << key.out_dtype << (key.bias ? " +bias" : "")
-         << (key.fast_accum ? " fast-accum" : " promoted-accum")
+         << (key.fast_accum ? " fast-accum" : " promoted-accum") << " align " << key.alignment
          << ": algo " << algo_config<int32_t>(plan->algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
          << algo_config<uint32_t>(plan->algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
          << algo_config<uint32_t>(plan->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " split-k "
@@ -491,3 +536,4 @@ std::vector<std::string> fp8_gemm_cublaslt_plans() {
   std::sort(lines.begin(), lines.end());
   return lines;
 }
+#endif  // OMNI_HAS_CUBLASLT_FP8

@@ -270,8 +270,9 @@ torch::Tensor quantized_linear_fp8(const torch::Tensor& x, const torch::Tensor& 
   auto quantized = quantize_per_token(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                                       0, 0.0, clamp, at::ScalarType::Float8_e4m3fn);
   if (gemm != "aten") {
-#ifdef USE_ROCM
-    TORCH_CHECK(false, kOp, ": gemm '", gemm, "' is cuBLASLt's, which a ROCm build has not");
+#if !OMNI_HAS_CUBLASLT_FP8
+    TORCH_CHECK(false, kOp, ": gemm '", gemm, "' is omni's cuBLASLt FP8 GEMM, which this build "
+                "lacks (it needs CUDA with cuBLAS >= 12.9)");
 #else
     return fp8_gemm_cublaslt(std::get<0>(quantized), std::get<1>(quantized), w_q, w_scale, bias,
                              x.scalar_type(), use_fast_accum, gemm == "cublaslt_tuned");

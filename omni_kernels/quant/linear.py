@@ -22,7 +22,9 @@ dequantized weight. The GEMM backends:
   of GPU time (the stream is synchronized once per new shape; inside CUDA-graph capture the
   heuristic's first choice runs untimed). :func:`fp8_gemm_plans` lists the plans. On the H200
   the GPU time equals ``"aten"``'s at the large Flux/Wan shapes (the same kernel: the tuning
-  kept cuBLASLt's first choice there) and the tuning won 5-25% at small M.
+  kept cuBLASLt's first choice there) and the tuning won 5-25% at small M. ``"auto"`` takes it on
+  compute capability 9.0 (where it was measured); if it raises there, ``"auto"`` logs the error
+  and keeps to ``"aten"`` on that device for the rest of the process.
 * ``"triton"``: omni's Triton GEMM (:mod:`.triton_gemm`), dequantization,
   bias and cast fused in its epilogue; takes any shape.
 * ``"triton_gemv"`` (weight-only only, :data:`WEIGHT_ONLY_BACKENDS`): omni's Triton
@@ -30,10 +32,10 @@ dequantized weight. The GEMM backends:
   sample), which streams the 8-bit weight once at read bandwidth.
 * ``"torch"``: the float32 reference (:mod:`.reference`), for tests; runs anywhere.
 
-``"auto"`` order (not yet measured on an H200; ``bench/linear.py`` measures
-every pair): FP8 W8A8: aten, triton, torch (CUTLASS row-wise FP8 is the
-fastest FP8 GEMM torch ships). INT8 W8A8: triton, aten, torch (``_int_mm``
-writes an int32 ``[M, N]`` that the separate epilogue reads again).
+``"auto"`` order (``bench/linear.py`` measures every pair): FP8 W8A8: cublaslt (sm90 only),
+aten, triton, torch (torch's row-wise FP8 GEMM is cuBLASLt's on CUDA >= 12.9, CUTLASS
+before). INT8 W8A8: triton, aten, torch (``_int_mm`` writes an int32 ``[M, N]`` that the
+separate epilogue reads again).
 Weight-only: triton_gemv first for ``M <= 16`` (on the H200 the fastest weight-only
 path in 5 of the 6 Flux modulation cases of ``bench/linear.py --shapes flux-adaln``,
 e.g. 66 vs 130 us (Triton GEMM) and 346 us (aten) for FP8 at M=1, 3072 -> 18432, yet
@@ -158,10 +160,38 @@ def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, au
         return f"omni's cuBLASLt GEMM writes bfloat16 or float16; got out_dtype {out_dtype}"
     if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
         return f"cuBLASLt's FP8 GEMM needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
-    if auto and not torch.compiler.is_compiling() and device_capability(device) not in _CUBLASLT_AUTO_CAPABILITIES:
-        return (f"'auto' takes it on compute capability {_CUBLASLT_AUTO_CAPABILITIES} only (measured there); "
-                f"ask for backend='cublaslt' elsewhere")
+    if auto and (device.index if device.index is not None else 0) in _cublaslt_failed_devices:
+        return "it failed on this device earlier in this process (logged then); 'auto' keeps to aten"
+    if auto:
+        # While tracing, the capability an eager call cached (omni_diffusion.quantize checks the
+        # GPU eagerly); unknown, aten is kept, as in eager mode on any GPU other than these.
+        capability = (_capability_seen(device) if torch.compiler.is_compiling() else device_capability(device))
+        if capability not in _CUBLASLT_AUTO_CAPABILITIES:
+            allowed = ", ".join(f"{major}.{minor}" for major, minor in _CUBLASLT_AUTO_CAPABILITIES)
+            seen = f"{capability[0]}.{capability[1]}" if capability else "not known while tracing"
+            return (f"'auto' takes it on compute capability {allowed} only (measured there; this GPU: "
+                    f"{seen}); ask for backend='cublaslt' elsewhere")
     return None
+
+
+# Devices on which the cuBLASLt GEMM raised under backend="auto": auto then keeps to aten there.
+_cublaslt_failed_devices: set[int] = set()
+
+
+def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
+    """Record (and log once) that the cuBLASLt GEMM failed on ``device`` under ``"auto"``."""
+    index = device.index if device.index is not None else 0
+    if index not in _cublaslt_failed_devices:
+        _cublaslt_failed_devices.add(index)
+        logger.warning("omni's cuBLASLt FP8 GEMM failed on %s under backend='auto' (%s); 'auto' uses "
+                       "torch._scaled_mm there from now on", device, str(error).splitlines()[0])
+
+
+def _capability_seen(device: torch.device) -> tuple[int, int] | None:
+    """The capability :func:`device_capability` cached for ``device``, without querying it."""
+    from omni_kernels.quant import dispatch
+
+    return dispatch._capabilities.get(device.index if device.index is not None else 0)
 
 
 def _cublaslt_reason(x_q, w_q, out_dtype, *, auto: bool = False) -> str | None:
@@ -426,11 +456,17 @@ def scaled_mm(
     chosen = _choose(kind, backend, reason_of, x_q.device, m, "scaled_mm")
     x_scale = float32_shaped(x_scale, (m, 1))
     if chosen == "cublaslt":
-        return torch.ops.omni_kernels.fp8_gemm_cublaslt(
-            x_q, x_scale, w_q, float32_shaped(w_scale, (n,)),
-            bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
-            out_dtype, fast_accum, True,
-        )
+        try:
+            return torch.ops.omni_kernels.fp8_gemm_cublaslt(
+                x_q, x_scale, w_q, float32_shaped(w_scale, (n,)),
+                bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
+                out_dtype, fast_accum, True,
+            )
+        except RuntimeError as error:
+            if backend != "auto" or torch.compiler.is_compiling():
+                raise
+            _cublaslt_failed(x_q.device, error)
+            chosen = "aten"
     if kind == "fp8" and chosen == "aten":
         return torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=float32_shaped(w_scale, (1, n)),
@@ -627,10 +663,14 @@ def quantized_linear(
             _logged_auto_choices.add(("fused_fp8", gemm))
             logger.info("quantized_linear (fp8) in eager mode: one op, omni's CUDA per-token "
                         "quantization then the FP8 GEMM %r (omni_kernels::quantized_linear_fp8)", gemm)
-        out = torch.ops.omni_kernels.quantized_linear_fp8(
-            x2, w_q, w_scale, bias, float(clamp) if clamp is not None else 0.0, resolve_fast_accum(fast_accum, k),
-            gemm,
-        )
+        args = (x2, w_q, w_scale, bias, float(clamp) if clamp is not None else 0.0, resolve_fast_accum(fast_accum, k))
+        try:
+            out = torch.ops.omni_kernels.quantized_linear_fp8(*args, gemm)
+        except RuntimeError as error:
+            if backend != "auto" or gemm == "aten":
+                raise
+            _cublaslt_failed(x2.device, error)
+            out = torch.ops.omni_kernels.quantized_linear_fp8(*args, "aten")
     else:
         x_q, x_scale = quantize_per_token(
             x2, w_q.dtype, clamp=clamp, backend=resolve_activation_backend(activation_backend, k, split_k)
@@ -688,8 +728,12 @@ def _fake_quantized_linear_fp8(x, w_q, w_scale, bias, clamp, use_fast_accum, gem
     return x.new_empty((x.shape[0], w_q.shape[0]))
 
 
-# (An extension built before the op existed lacks it: the two-call path then serves every call.)
-_HAS_FUSED_FP8_OP = has_compiled_extension() and hasattr(torch.ops.omni_kernels, "quantized_linear_fp8")
+# (An extension built before the op existed, or before its `gemm` argument, serves no call: the
+# two-call path then serves every call.)
+_HAS_FUSED_FP8_OP = (
+    has_compiled_extension() and hasattr(torch.ops.omni_kernels, "quantized_linear_fp8")
+    and [a.name for a in torch.ops.omni_kernels.quantized_linear_fp8.default._schema.arguments][-1] == "gemm"
+)
 if _HAS_FUSED_FP8_OP:
     torch.library.register_fake("omni_kernels::quantized_linear_fp8")(_fake_quantized_linear_fp8)
 
@@ -743,7 +787,8 @@ class QuantizedLinear(nn.Module):
         if method not in QUANT_METHODS:
             raise ValueError(f"method must be one of {QUANT_METHODS}; got {method!r}")
         allowed = WEIGHT_ONLY_BACKENDS if method.endswith("_weight_only") else LINEAR_BACKENDS
-        if backend not in allowed:
+        if backend not in allowed or (backend == "cublaslt" and method != "fp8"):
+            allowed = tuple(b for b in allowed if b != "cublaslt" or method == "fp8")
             raise ValueError(f"backend must be one of {allowed} for method {method!r}; got {backend!r}")
         if activation_backend not in ACTIVATION_BACKENDS:
             raise ValueError(f"activation_backend must be one of {ACTIVATION_BACKENDS}; got {activation_backend!r}")

@@ -949,8 +949,39 @@ def test_cublaslt_backend_refusals_name_the_reason(inputs):
         QuantizedLinear(32, 16, method="fp8_weight_only", backend="cublaslt")
     with pytest.raises(ValueError, match=r"backend must be one of"):
         weight_only_mm(torch.ones(4, 32), w_q, s_w, backend="cublaslt")
+    with pytest.raises(ValueError, match=r"backend must be one of .* for method 'int8'; got 'cublaslt'"):
+        QuantizedLinear(32, 16, method="int8", backend="cublaslt")
     assert QuantizedLinear(32, 16, method="fp8", backend="cublaslt").backend == "cublaslt"
-    assert isinstance(fp8_gemm_plans(), list)
+    if not torch.cuda.is_available():
+        assert fp8_gemm_plans() == []  # no CUDA call has made a plan
+
+
+def test_cublaslt_auto_only_on_the_measured_capability(monkeypatch):
+    """'auto' takes the cuBLASLt GEMM on compute capability 9.0 only, in eager mode by the GPU's
+    capability and while tracing by the capability an eager call cached (none: aten)."""
+    from omni_kernels.quant import dispatch, linear
+
+    if not linear._HAS_CUBLASLT_OP:
+        pytest.skip("the compiled extension has no fp8_gemm_cublaslt op")
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(dispatch, "_capabilities", {0: (8, 9)})
+    assert "compute capability 9.0 only (measured there; this GPU: 8.9)" in linear._cublaslt_problem_reason(
+        cuda0, 64, 64, torch.bfloat16, True)
+    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, False) is None  # asked for: allowed
+    monkeypatch.setattr(dispatch, "_capabilities", {0: (9, 0)})
+    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
+    assert "multiples of 16" in linear._cublaslt_problem_reason(cuda0, 64, 40, torch.bfloat16, True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
+    monkeypatch.setattr(dispatch, "_capabilities", {})
+    assert "not known while tracing" in linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    # A failure under "auto" (logged once) keeps "auto" on aten for that device from then on.
+    monkeypatch.setattr(dispatch, "_capabilities", {0: (9, 0), 1: (9, 0)})
+    monkeypatch.setattr(linear, "_cublaslt_failed_devices", set())
+    linear._cublaslt_failed(cuda0, RuntimeError("fp8_gemm_cublaslt: cublasLtMatmul failed: ..."))
+    assert "failed on this device earlier" in linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
+    assert linear._cublaslt_problem_reason(torch.device("cuda", 1), 64, 64, torch.bfloat16, True) is None
 
 
 @pytest.mark.gpu
@@ -962,7 +993,7 @@ def test_cublaslt_backend_refusals_name_the_reason(inputs):
                                    pytest.param(4608, 12288, 3072, id="flux-12288x3072")])
 def test_gpu_cublaslt_fp8_gemm_matches_reference(inputs, m, k, n, bias, out_dtype, fast_accum, tune):
     """omni's cuBLASLt FP8 GEMM (row-wise scales, bias epilogue) against the float32 reference on
-    the same operands and against torch._scaled_mm; the output poisoned first."""
+    the same operands and against torch._scaled_mm."""
     _skip_without_fp8("fp8")
     torch.manual_seed(inputs.seed)
     x = inputs.activations((m, k), torch.bfloat16, "cuda")
@@ -970,7 +1001,6 @@ def test_gpu_cublaslt_fp8_gemm_matches_reference(inputs, m, k, n, bias, out_dtyp
     w_q, w_scale = quantize_weight(inputs.activations((n, k), torch.float32, "cuda"), "fp8")
     b = inputs.activations((n,), out_dtype, "cuda", outlier_channels=0) if bias else None
     expected = scaled_linear_reference(x_q, x_scale, w_q, w_scale, b, torch.float32)
-    torch.empty(m * n * 4, device="cuda").fill_(float("nan"))  # poison what the allocator hands out next
     out = torch.ops.omni_kernels.fp8_gemm_cublaslt(x_q, x_scale, w_q, w_scale, b, out_dtype, fast_accum, tune)
     torch.cuda.synchronize()
     assert out.shape == (m, n) and out.dtype == out_dtype and torch.isfinite(out).all()
@@ -991,6 +1021,21 @@ def test_gpu_cublaslt_fp8_gemm_matches_reference(inputs, m, k, n, bias, out_dtyp
 
 
 @pytest.mark.gpu
+def test_gpu_cublaslt_no_rows_and_bad_sizes(inputs):
+    """M = 0 gives an empty [0, N] result (cuBLASLt itself refuses empty problems); K = 0 is an
+    error naming the sizes."""
+    _skip_without_fp8("fp8")
+    w_q, w_scale = quantize_weight(inputs.activations((32, 64), torch.float32, "cuda"), "fp8")
+    empty = torch.empty(0, 64, device="cuda").to(FP8_DTYPE)
+    out = torch.ops.omni_kernels.fp8_gemm_cublaslt(empty, torch.empty(0, device="cuda"), w_q, w_scale, None,
+                                                   torch.bfloat16, False, True)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match=r"K and N must be positive multiples of 16; got K=0, N=32"):
+        torch.ops.omni_kernels.fp8_gemm_cublaslt(empty.view(64, 0), torch.ones(64, device="cuda"), w_q[:, :0],
+                                                 w_scale, None, torch.bfloat16, False, True)
+
+
+@pytest.mark.gpu
 def test_gpu_cublaslt_takes_strided_and_offset_operands(inputs):
     """Views that are not contiguous or not 16-byte aligned (a traced graph may pass them) give
     the result of their contiguous copies."""
@@ -1001,8 +1046,9 @@ def test_gpu_cublaslt_takes_strided_and_offset_operands(inputs):
     w_q, w_scale = quantize_weight(inputs.activations((n, k), torch.float32, "cuda"), "fp8")
     strided = x_q[1:, ::2]  # every other column: not contiguous
     offset = x_q.view(-1)[1:1 + m * k].view(m, k)  # contiguous, 1 byte past a 16-byte boundary
+    aligned16 = x_q.view(-1)[16:16 + m * k].view(m, k)  # 16-byte aligned, not 256: its own plan
     scale = x_scale[1:]
-    for a in (strided, offset):
+    for a in (strided, offset, aligned16):
         out = torch.ops.omni_kernels.fp8_gemm_cublaslt(a, scale, w_q, w_scale, None, torch.bfloat16, False, True)
         dense = torch.ops.omni_kernels.fp8_gemm_cublaslt(a.contiguous(), scale.contiguous(), w_q, w_scale, None,
                                                          torch.bfloat16, False, True)
@@ -1032,7 +1078,7 @@ def test_gpu_cublaslt_tuning_waits_outside_cuda_graph_capture(inputs):
     assert _rel(out, expected) <= 1e-2
     torch.ops.omni_kernels.fp8_gemm_cublaslt(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, False, True)
     line = [p for p in fp8_gemm_plans() if f" M={m} N={n} K={k} " in p]
-    assert "tuned: rank" in line[0], line
+    assert line and "tuned: rank" in line[0], fp8_gemm_plans()
 
 
 @pytest.mark.gpu
@@ -1134,15 +1180,15 @@ except RuntimeError as error:
     ("ops.fp8_gemm_cublaslt(w_q[:40], torch.ones(39, device='cuda'), w_q, w_scale, None, torch.bfloat16, False, True)",
      "fp8_gemm_cublaslt: a_scale must be a Float with 40 values; got Float [39]"),
     ("ops.fp8_gemm_cublaslt(w_q[:40, :200], w_scale[:40], w_q[:, :200], w_scale, None, torch.bfloat16, False, True)",
-     "fp8_gemm_cublaslt: K and N must be multiples of 16; got K=200, N=64"),
+     "fp8_gemm_cublaslt: K and N must be positive multiples of 16; got K=200, N=64"),
     ("ops.fp8_gemm_cublaslt(w_q[:40], w_scale[:40], w_q, w_scale, None, torch.float32, False, True)",
      "fp8_gemm_cublaslt: out_dtype must be bfloat16 or float16; got Float"),
     # The message streams x.sizes(): on the H200 machine (torch 2.11) the fused op's first checks,
     # which streamed sizes too, crashed (SIGSEGV) instead of raising; this says whether it is that.
     ("ops.quantize_per_token(x.reshape(2, 20, 256), None, None, None, None, 0, 0.0, 0.0, torch.float8_e4m3fn)",
      "quantize_per_token: x must be 2-D [M, K]; got [2, 20, 256]"),
-], ids=["bias-dtype", "x-width", "w-scale-dtype", "quantize-3d", "gemm-name", "lt-scale-count", "lt-k-align",
-        "lt-out-dtype"])
+], ids=["bias-dtype", "x-width", "w-scale-dtype", "gemm-name", "lt-scale-count", "lt-k-align", "lt-out-dtype",
+        "quantize-3d"])
 def test_gpu_cuda_op_bad_arguments_raise(call, message):
     """Bad arguments to the C++ ops raise RuntimeError naming the argument. Each call runs in
     its own interpreter: a crash is this test's failure, not the end of the test run."""

@@ -231,8 +231,10 @@ class SageConfig:
     their ``exp2`` from a degree-3 polynomial on the FMA pipes (relative error 7.5e-5, under
     the e4m3 rounding of P that follows) instead of the special-function unit, which also runs
     P's conversion to e4m3; 0, the fastest: on the H200 every share measured slower (Wan 720p,
-    kernel alone: 678 TFLOP/s at 0, 549 / 609 / 619 at 2 / 3 / 4 eighths,
-    bench/results/quantized_attention_tune-exp2-split_nvidia-h200_20261130.md).
+    kernel alone, with the since-reverted score bias: 678 TFLOP/s at 0, 549 / 609 / 619 at
+    2 / 3 / 4 eighths, bench/results/quantized_attention_tune-exp2-split_nvidia-h200_20261130.md;
+    without it: 704 at 0, 684 at 2 eighths,
+    bench/results/quantized_attention_tune-sm90-no-score-bias_nvidia-h200_20261130.md).
 
     ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
     ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
