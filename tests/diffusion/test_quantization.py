@@ -186,7 +186,7 @@ BAD_CONFIGS = [
     ("include_empty", dict(include=[""]), r"QuantConfig\.include patterns must be non-empty strings"),
     ("min_features", dict(min_features=-1), r"QuantConfig\.min_features must be an int >= 0; got -1"),
     ("min_features_float", dict(min_features=1.5), r"QuantConfig\.min_features must be an int"),
-    ("backend", dict(backend="cublas"), r"QuantConfig\.backend must be one of \('auto', 'aten', 'triton', 'torch'\)"),
+    ("backend", dict(backend="cublas"), r"QuantConfig\.backend must be one of \('auto', 'aten', 'cublaslt', 'triton', 'torch'\)"),
     ("activation_backend", dict(activation_backend="aten"), r"QuantConfig\.activation_backend must be one of"),
     ("clamp", dict(clamp=0), r"QuantConfig\.clamp must be None or a finite number > 0; got 0"),
     ("clamp_inf", dict(clamp=float("inf")), r"QuantConfig\.clamp must be None or a finite number > 0"),

@@ -290,7 +290,7 @@ def test_weight_only_mm_gemv_errors(inputs):
         with pytest.raises(ValueError, match=r"the Triton GEMV cannot run: Triton kernels need CUDA tensors"):
             weight_only_mm(x[:2], w_q, w_scale, None, backend="triton_gemv")
     # The GEMV is weight-only: W8A8 callers and layers refuse the name.
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'aten', 'triton', 'torch'\); got 'triton_gemv'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'aten', 'cublaslt', 'triton', 'torch'\); got 'triton_gemv'"):
         scaled_mm(w_q[:2], torch.ones(2, 1), w_q, w_scale, backend="triton_gemv")
     with pytest.raises(ValueError, match=r"backend must be one of .* for method 'int8'; got 'triton_gemv'"):
         QuantizedLinear(32, 16, method="int8", backend="triton_gemv")
