@@ -78,6 +78,7 @@ from omni_kernels.quant.dispatch import (
     quantize_per_token,
     resolve_quant_dtype,
 )
+from omni_kernels.quant import dispatch as _quant_dispatch
 from omni_kernels.quant.activated import check_prefix, quantize_activated_per_token
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
@@ -189,9 +190,7 @@ def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
 
 def _capability_seen(device: torch.device) -> tuple[int, int] | None:
     """The capability :func:`device_capability` cached for ``device``, without querying it."""
-    from omni_kernels.quant import dispatch
-
-    return dispatch._capabilities.get(device.index if device.index is not None else 0)
+    return _quant_dispatch._capabilities.get(device.index if device.index is not None else 0)
 
 
 def _cublaslt_reason(x_q, w_q, out_dtype, *, auto: bool = False) -> str | None:
