@@ -86,6 +86,12 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return _capabilities[index]
 
 
+def cached_device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The capability :func:`device_capability` cached for ``device``, without querying the GPU
+    (safe while ``torch.compile`` traces); ``None`` if no eager call has asked yet."""
+    return _capabilities.get(device.index if device.index is not None else 0)
+
+
 def fp8_unsupported_reason(device: torch.device) -> str | None:
     """Why FP8 cannot run on ``device`` (a CUDA GPU without FP8 tensor cores), else ``None``.
 

@@ -73,12 +73,12 @@ from omni_kernels._extension import has_compiled_extension
 from omni_kernels.quant.dispatch import (
     CUDA_STAGED_MAX_ROW,
     QUANTIZE_BACKENDS,
+    cached_device_capability,
     device_capability,
     fp8_unsupported_reason,
     quantize_per_token,
     resolve_quant_dtype,
 )
-from omni_kernels.quant import dispatch as _quant_dispatch
 from omni_kernels.quant.activated import check_prefix, quantize_activated_per_token
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
@@ -151,9 +151,6 @@ def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, au
     (``auto``: or why ``backend="auto"`` passes it over), else ``None``."""
     if device.type != "cuda":
         return f"omni's cuBLASLt GEMM runs on CUDA tensors; got {device}"
-    if not _HAS_CUBLASLT_OP:
-        return ("omni_kernels._C has no fp8_gemm_cublaslt op (the compiled extension is missing "
-                "or older than the op: build it, e.g. `make build`)")
     reason = fp8_unsupported_reason(device)
     if reason is not None:
         return reason
@@ -161,17 +158,27 @@ def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, au
         return f"omni's cuBLASLt GEMM writes bfloat16 or float16; got out_dtype {out_dtype}"
     if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
         return f"cuBLASLt's FP8 GEMM needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
-    if auto and (device.index if device.index is not None else 0) in _cublaslt_failed_devices:
+    return _cublaslt_device_reason(device, auto)
+
+
+def _cublaslt_device_reason(device: torch.device, auto: bool) -> str | None:
+    """The part of :func:`_cublaslt_problem_reason` that depends on the build and the device only
+    (the op compiled; for ``auto``: the capability, and no earlier failure there)."""
+    if not _HAS_CUBLASLT_OP:
+        return ("omni_kernels._C has no fp8_gemm_cublaslt op (the compiled extension is missing "
+                "or older than the op: build it, e.g. `make build`)")
+    if not auto:
+        return None
+    if _device_index(device) in _cublaslt_failed_devices:
         return "it failed on this device earlier in this process (logged then); 'auto' keeps to aten"
-    if auto:
-        # While tracing, the capability an eager call cached (omni_diffusion.quantize checks the
-        # GPU eagerly); unknown, aten is kept, as in eager mode on any GPU other than these.
-        capability = (_capability_seen(device) if torch.compiler.is_compiling() else device_capability(device))
-        if capability not in _CUBLASLT_AUTO_CAPABILITIES:
-            allowed = ", ".join(f"{major}.{minor}" for major, minor in _CUBLASLT_AUTO_CAPABILITIES)
-            seen = f"{capability[0]}.{capability[1]}" if capability else "not known while tracing"
-            return (f"'auto' takes it on compute capability {allowed} only (measured there; this GPU: "
-                    f"{seen}); ask for backend='cublaslt' elsewhere")
+    # While tracing, the capability an eager call cached (omni_diffusion.quantize checks the GPU
+    # eagerly); unknown, aten is kept, as in eager mode on any GPU other than these.
+    capability = cached_device_capability(device) if torch.compiler.is_compiling() else device_capability(device)
+    if capability not in _CUBLASLT_AUTO_CAPABILITIES:
+        allowed = ", ".join(f"{major}.{minor}" for major, minor in _CUBLASLT_AUTO_CAPABILITIES)
+        seen = f"{capability[0]}.{capability[1]}" if capability else "not known while tracing"
+        return (f"'auto' takes it on compute capability {allowed} only (measured there; this GPU: "
+                f"{seen}); ask for backend='cublaslt' elsewhere")
     return None
 
 
@@ -179,18 +186,16 @@ def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, au
 _cublaslt_failed_devices: set[int] = set()
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else 0
+
+
 def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
     """Record (and log once) that the cuBLASLt GEMM failed on ``device`` under ``"auto"``."""
-    index = device.index if device.index is not None else 0
-    if index not in _cublaslt_failed_devices:
-        _cublaslt_failed_devices.add(index)
+    if _device_index(device) not in _cublaslt_failed_devices:
+        _cublaslt_failed_devices.add(_device_index(device))
         logger.warning("omni's cuBLASLt FP8 GEMM failed on %s under backend='auto' (%s); 'auto' uses "
                        "torch._scaled_mm there from now on", device, str(error).splitlines()[0])
-
-
-def _capability_seen(device: torch.device) -> tuple[int, int] | None:
-    """The capability :func:`device_capability` cached for ``device``, without querying it."""
-    return _quant_dispatch._capabilities.get(device.index if device.index is not None else 0)
 
 
 def _cublaslt_reason(x_q, w_q, out_dtype, *, auto: bool = False) -> str | None:
@@ -717,7 +722,8 @@ def fused_fp8_eager_gemm(
         return None
     if backend == "aten":
         return "aten"
-    if _cublaslt_problem_reason(x2.device, k, n, x2.dtype, backend == "auto") is None:
+    # (CUDA, FP8, bfloat16 output, K and N: checked above)
+    if _cublaslt_device_reason(x2.device, backend == "auto") is None:
         return "cublaslt_tuned"
     # "cublaslt" asked for and refused: the two-call path raises the reason.
     return "aten" if backend == "auto" else None
