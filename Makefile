@@ -40,7 +40,7 @@ venv: $(VENV_STAMP)
 
 $(VENV_STAMP): Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q "setuptools>=64" wheel "cmake>=3.26" ninja numpy "nvidia-cutlass==4.2.0.0" "torch==$(TORCH_VERSION)"
+	$(VPY) -m pip install -q "setuptools>=64" wheel "cmake>=3.26" ninja numpy "torch==$(TORCH_VERSION)"
 	@touch $@
 
 ## vllm-venv: $(VLLM_VENV), a second venv with vLLM's CPU build for omni_diffusion.ar's tests.

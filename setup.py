@@ -93,21 +93,6 @@ def _cuda_cmake_hints(cuda_home: str) -> list[str]:
     return hints
 
 
-def _cutlass_include_dir() -> str | None:
-    """CUTLASS's header folder: $OMNI_CUTLASS_INCLUDE_DIR, else the nvidia-cutlass wheel's
-    (``cutlass_library/source/include``), found without importing the package."""
-    if os.environ.get("OMNI_CUTLASS_INCLUDE_DIR"):
-        return os.environ["OMNI_CUTLASS_INCLUDE_DIR"]
-    import importlib.util
-
-    spec = importlib.util.find_spec("cutlass_library")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        include = Path(location) / "source" / "include"
-        if (include / "cutlass" / "cutlass.h").is_file():
-            return str(include)
-    return None
-
-
 def _loaded_library(prefix: str) -> str | None:
     """The path of a shared library named ``prefix``* that this process (torch) has loaded, from
     /proc/self/maps (Linux), else ``None``."""
@@ -184,10 +169,6 @@ class CMakeBuild(build_ext):
             cublaslt = _loaded_library("libcublasLt.so")
             if cublaslt:
                 args.append(f"-DOMNI_RUNTIME_CUBLASLT={cublaslt}")
-            # CUTLASS's headers (the stream-K FP8 GEMM op); without them that op is left out.
-            cutlass_include = _cutlass_include_dir()
-            if cutlass_include:
-                args.append(f"-DOMNI_CUTLASS_INCLUDE_DIR={cutlass_include}")
         runtime = _loaded_libstdcxx()
         if runtime:
             args.append(f"-DOMNI_RUNTIME_LIBSTDCXX={runtime}")

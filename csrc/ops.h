@@ -71,23 +71,6 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a, const torch::Tensor& a_s
 std::vector<std::string> fp8_gemm_cublaslt_plans();
 #endif
 
-// CUTLASS's headers (the nvidia-cutlass wheel) were found at build time: CMakeLists.txt defines
-// OMNI_HAS_CUTLASS_FP8=1 and compiles csrc/quant/fp8_gemm_cutlass.{cpp,cu}.
-#ifndef OMNI_HAS_CUTLASS_FP8
-#define OMNI_HAS_CUTLASS_FP8 0
-#endif
-#if OMNI_HAS_CUTLASS_FP8
-// FP8 GEMM with row-wise scales from CUTLASS's Hopper collectives under a stream-K tile
-// scheduler (csrc/quant/fp8_gemm_cutlass.{h,cu}): the same operation as fp8_gemm_cublaslt, with
-// out_dtype bfloat16 only and bias bfloat16 or none. schedule "<decomposition>-<cluster>":
-// decomposition streamk, data_parallel, heuristic (CUTLASS's choice) or splitk2..4; cluster 1x1
-// or 2x1 (2 CTAs along M share each weight tile). Needs compute capability 9.0.
-torch::Tensor fp8_gemm_cutlass(const torch::Tensor& a, const torch::Tensor& a_scale,
-                               const torch::Tensor& w, const torch::Tensor& w_scale,
-                               const std::optional<torch::Tensor>& bias, at::ScalarType out_dtype,
-                               c10::string_view schedule);
-#endif
-
 // Quantized attention on Hopper (csrc/attention/, CUDA only): softmax(scale * q k^T) v from the
 // quantized inputs of omni_kernels.attention.quantized (INT8 Q and smoothed K, FP8 V^T with its
 // keys permuted in groups of 16), head_dim 128. Writes out [B, Hq, Sq, 128] (a view with any

@@ -44,14 +44,6 @@ TORCH_LIBRARY(omni_kernels, ops) {
   ops.def("fp8_gemm_cublaslt_plans() -> str[]", &fp8_gemm_cublaslt_plans);
 #endif
 
-#if OMNI_HAS_CUTLASS_FP8
-  // The same GEMM from CUTLASS with a stream-K tile scheduler (Hopper only).
-  ops.def(
-      "fp8_gemm_cutlass(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
-      "ScalarType out_dtype, str schedule) -> Tensor");
-  ops.impl("fp8_gemm_cutlass", torch::kCUDA, &fp8_gemm_cutlass);
-#endif
-
 #ifndef USE_ROCM
   // Hopper quantized attention (INT8 QK^T, FP8 PV with wgmma) on quantize_qkv's outputs.
   ops.def(

@@ -28,7 +28,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "fp8_gemm_operands.h"
 #include "ops.h"
 
 #if OMNI_HAS_CUBLASLT_FP8
@@ -59,7 +58,7 @@ constexpr std::array<uint16_t, 3> kClusterShapes = {CUBLASLT_CLUSTER_SHAPE_1x1x1
                                                     CUBLASLT_CLUSTER_SHAPE_1x2x1};
 // cuBLASLt's FP8 kernels need 16-byte aligned operands and leading dimensions; operands that
 // are all 256-byte aligned (fresh allocations) may take algorithms that need that.
-constexpr int64_t kAlignBytes = kFp8GemmAlignBytes;
+constexpr int64_t kAlignBytes = 16;
 constexpr int64_t kWideAlignBytes = 256;
 
 #define OMNI_CUBLASLT_CHECK(expr, what)                                                    \
@@ -422,6 +421,33 @@ T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
   return value;
 }
 
+// `t` as cuBLASLt reads it: contiguous and 16-byte aligned (a copy if it is not, e.g. a view
+// with an odd storage offset, which traced graphs may hand over).
+torch::Tensor dense_aligned(const torch::Tensor& t) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignBytes == 0;
+  return t.is_contiguous() && aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+torch::Tensor checked_operand(const torch::Tensor& t, const char* name, int64_t rows, int64_t cols,
+                              const torch::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::ScalarType::Float8_e4m3fn, kOp, ": ", name,
+              " must be float8_e4m3fn; got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, kOp, ": ", name,
+              " must be [", rows, ", ", cols, "]; got ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), kOp, ": ", name, " is on ", t.device(),
+              ", the activation on ", like.device());
+  return dense_aligned(t);
+}
+
+torch::Tensor checked_vector(const torch::Tensor& t, const char* name, at::ScalarType dtype,
+                             int64_t size, const torch::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.numel() == size, kOp, ": ", name, " must be a ", dtype,
+              " with ", size, " values; got ", t.scalar_type(), " ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), kOp, ": ", name, " is on ", t.device(),
+              ", the activation on ", like.device());
+  return dense_aligned(t);
+}
+
 }  // namespace
 }  // namespace omni::quant
 
@@ -438,12 +464,12 @@ torch::Tensor fp8_gemm_cublaslt(const torch::Tensor& a_in, const torch::Tensor& 
               ": out_dtype must be bfloat16 or float16; got ", out_dtype);
   TORCH_CHECK(k > 0 && n > 0 && k % kAlignBytes == 0 && n % kAlignBytes == 0, kOp,
               ": K and N must be positive multiples of ", kAlignBytes, "; got K=", k, ", N=", n);
-  const torch::Tensor a = checked_fp8_operand(kOp, a_in, "a", m, k, a_in);
-  const torch::Tensor w = checked_fp8_operand(kOp, w_in, "w", n, k, a_in);
-  const torch::Tensor a_scale = checked_gemm_vector(kOp, a_scale_in, "a_scale", at::kFloat, m, a_in);
-  const torch::Tensor w_scale = checked_gemm_vector(kOp, w_scale_in, "w_scale", at::kFloat, n, a_in);
+  const torch::Tensor a = checked_operand(a_in, "a", m, k, a_in);
+  const torch::Tensor w = checked_operand(w_in, "w", n, k, a_in);
+  const torch::Tensor a_scale = checked_vector(a_scale_in, "a_scale", at::kFloat, m, a_in);
+  const torch::Tensor w_scale = checked_vector(w_scale_in, "w_scale", at::kFloat, n, a_in);
   std::optional<torch::Tensor> bias;
-  if (bias_in.has_value()) bias = checked_gemm_vector(kOp, *bias_in, "bias", out_dtype, n, a_in);
+  if (bias_in.has_value()) bias = checked_vector(*bias_in, "bias", out_dtype, n, a_in);
 
   const c10::cuda::CUDAGuard device_guard(a.device());
   auto out = torch::empty({m, n}, a.options().dtype(out_dtype));
