@@ -37,7 +37,7 @@ namespace {
 
 constexpr int kBlockM = 128;  // query rows a CTA
 constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kThreads = 128 * kConsumers;  // no producer warpgroup: see the kernel
 constexpr int kStages = 3;
 constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
 
@@ -133,6 +133,10 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+// Waits until at most one committed group (the newest) is still running.
+__device__ __forceinline__ void wgmma_wait_all_but_newest() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // The 64 accumulator operands of an m64n128 wgmma; C is the constraint ("+r" or "+f").
 #define OMNI_WGMMA_ACC64(C, d) \
@@ -144,6 +148,13 @@ __device__ __forceinline__ void wgmma_wait_all() {
       C(d[42]), C(d[43]), C(d[44]), C(d[45]), C(d[46]), C(d[47]), C(d[48]), C(d[49]), \
       C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), C(d[56]), C(d[57]), \
       C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
+
+// The first 32 of them: an m64n64 wgmma's.
+#define OMNI_WGMMA_ACC32(C, d) \
+  C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), C(d[8]), C(d[9]), \
+      C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), C(d[16]), C(d[17]), \
+      C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), C(d[24]), C(d[25]), \
+      C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31])
 
 #define OMNI_WGMMA_D64_LIST                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
@@ -176,17 +187,23 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+// d[32] (float32, m64n64) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K: half of
+// P V's head dimension, so a block's P V tile needs 32 registers at a time instead of 64.
+__device__ __forceinline__ void wgmma_e4m3_rs_n64(float (&d)[32], const uint32_t (&a)[4],
+                                                  uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+      ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : OMNI_WGMMA_ACC32("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#undef OMNI_WGMMA_ACC32
 #undef OMNI_WGMMA_ACC64
 #undef OMNI_WGMMA_D64_LIST
-
-template <uint32_t kRegisters>
-__device__ __forceinline__ void registers_increase() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-template <uint32_t kRegisters>
-__device__ __forceinline__ void registers_decrease() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -247,6 +264,17 @@ __device__ __forceinline__ void issue_pv(float (&pv)[64], const uint32_t (&pa)[4
   const uint64_t v_desc = tile_descriptor(v_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
+}
+
+// pv_half = P (V^T rows 64 kHalf .. 64 kHalf + 63), the kHalf-th half of the head dimension of P V,
+// 4 x m64n64k32 e4m3; a fresh sum. The caller fences first.
+template <int kHalf>
+__device__ __forceinline__ void issue_pv_half(float (&pv_half)[32], const uint32_t (&pa)[4][4],
+                                              const uint8_t* v_tile) {
+  // 64 rows of a swizzled [rows][128 B] tile are eight whole 1024-byte swizzle atoms.
+  const uint64_t v_desc = tile_descriptor(v_tile + kHalf * 64 * 128);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs_n64(pv_half, pa[kk], v_desc + 2 * kk, kk);
 }
 
 // Online softmax state of this thread's two rows (g and g + 8), base 2, the max kept shifted by
@@ -333,6 +361,18 @@ __device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], floa
   for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
 }
 
+// fold for one half of the head dimension: pv_half[i] is o[32 kHalf + i] (an m64n64 accumulator
+// holds the first 8 column chunks of the m64n128 layout).
+template <int kHalf>
+__device__ __forceinline__ void fold_half(float (&o)[64], const float (&pv_half)[32],
+                                          float alpha_lo, float alpha_hi) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    float& acc = o[32 * kHalf + i];
+    acc = fmaf(acc, (i / 2) % 2 ? alpha_hi : alpha_lo, pv_half[i]);
+  }
+}
+
 #endif  // OMNI_SAGE_SM90_DEVICE
 
 template <typename OutT, int kFmaEighths>
@@ -369,33 +409,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (warpgroup == 0) {
-    // ------------------------------------------------------------------ producer
-    registers_decrease<24>();
-    if (threadIdx.x == 0) {
-      tma_prefetch_descriptor(&q_map);
-      tma_prefetch_descriptor(&k_map);
-      tma_prefetch_descriptor(&v_map);
-      // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
-      // scores are computed and never stored.
-      mbar_expect_tx(&smem.q_full, kTileBytes);
-      tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
-      const int k_row0 = kv_bh * p.shape.seq_kv_pad;
-      const int v_row0 = kv_bh * kSageHeadDim;
-      for (int j = 0; j < num_n_blocks; ++j) {
-        const int stage = j % kStages;
-        if (j >= kStages) mbar_wait(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
-        mbar_expect_tx(&smem.k_full[stage], kTileBytes);
-        tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + j * kSageBlockN);
-        mbar_expect_tx(&smem.v_full[stage], kTileBytes);
-        tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
-      }
-    }
-  } else {
-    // ------------------------------------------------------------------ consumers
-    // (each role one branch of a single if/else: ptxas applies setmaxnreg only so)
-    registers_increase<240>();
-    const int consumer = warpgroup - 1;
+  // Loads: thread 0 issues every TMA load (Q once; K and V^T tiles of kSageBlockN keys through
+  // a kStages-deep ring), block j + kStages - 1 at the start of block j, into the stage both
+  // warpgroups released when they finished block j - 1. No producer warpgroup: with 256 threads
+  // a CTA, ptxas may give each consumer thread 240 registers (it allocates one count for the
+  // whole kernel; setmaxnreg moves registers between warpgroups at run time but does not raise
+  // that count), which the overlapped loop below needs.
+  const int k_row0 = kv_bh * p.shape.seq_kv_pad;
+  const int v_row0 = kv_bh * kSageHeadDim;
+  auto load_kv = [&](int block) {
+    const int stage = block % kStages;
+    mbar_expect_tx(&smem.k_full[stage], kTileBytes);
+    tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + block * kSageBlockN);
+    mbar_expect_tx(&smem.v_full[stage], kTileBytes);
+    tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], block * kSageBlockN, v_row0);
+  };
+  if (threadIdx.x == 0) {
+    tma_prefetch_descriptor(&q_map);
+    tma_prefetch_descriptor(&k_map);
+    tma_prefetch_descriptor(&v_map);
+    // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
+    // scores are computed and never stored.
+    mbar_expect_tx(&smem.q_full, kTileBytes);
+    tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
+    for (int block = 0; block < min(kStages, num_n_blocks); ++block) load_kv(block);
+  }
+  {
+    const int consumer = warpgroup;
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % 128) / 32;
     const int g = lane / 4;  // this thread's rows: g and g + 8 of its warp's 16
@@ -417,27 +457,52 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
     uint32_t s[64];        // S of the current block (int32)
     float pf[64];          // its probabilities
-    float pv[64];          // P V of one block, a fresh float32 tile
+    float pv[32];          // half of one block's P V, a fresh float32 tile
     uint32_t pa[4][4];     // P of one block as e4m3 A fragments
     float alpha_lo, alpha_hi;
 
+    // Block j's P V is issued in two halves of the head dimension around block j + 1's Q K^T:
+    // the first half's fold runs while the tensor cores take Q K^T and the second half, and
+    // the P V tile needs 32 registers instead of 64 (o, s, P and a 64-wide P V tile at once
+    // would not fit in 240).
+    if (num_n_blocks > 0) {
+      mbar_wait(&smem.k_full[0], 0);
+      issue_qk(s, q_desc, smem.k[0]);
+      wgmma_commit();
+      wgmma_wait_all();
+    }
     for (int j = 0; j < num_n_blocks; ++j) {
       const int stage = j % kStages;
       const uint32_t parity = (j / kStages) & 1;
-      mbar_wait(&smem.k_full[stage], parity);
-      issue_qk(s, q_desc, smem.k[stage]);
-      wgmma_commit();
-      wgmma_wait_all();
+      if (threadIdx.x == 0 && j >= 1 && j - 1 + kStages < num_n_blocks) {
+        // Block j - 1's stage, once both warpgroups are done with it (the other one lags by
+        // less than a block), takes block j - 1 + kStages.
+        mbar_wait(&smem.kv_empty[(j - 1) % kStages], ((j - 1) / kStages) & 1);
+        load_kv(j - 1 + kStages);
+      }
       rows.template exps<kFmaEighths>(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t,
                                       alpha_lo, alpha_hi);
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
       wgmma_fence();
-      issue_pv(pv, pa, smem.v[stage]);
+      issue_pv_half<0>(pv, pa, smem.v[stage]);
+      wgmma_commit();
+      if (j + 1 < num_n_blocks) {
+        const int next = (j + 1) % kStages;
+        mbar_wait(&smem.k_full[next], ((j + 1) / kStages) & 1);
+        issue_qk(s, q_desc, smem.k[next]);
+        wgmma_commit();
+        wgmma_wait_all_but_newest();  // the first half of P V is done; Q K^T may run on
+      } else {
+        wgmma_wait_all();
+      }
+      fold_half<0>(o, pv, alpha_lo, alpha_hi);
+      wgmma_fence();
+      issue_pv_half<1>(pv, pa, smem.v[stage]);
       wgmma_commit();
       wgmma_wait_all();
       mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
-      fold(o, pv, alpha_lo, alpha_hi);
+      fold_half<1>(o, pv, alpha_lo, alpha_hi);
     }
     float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = rows.l_lo, l_hi = rows.l_hi;
     // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
