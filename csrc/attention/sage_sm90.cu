@@ -35,14 +35,16 @@ namespace omni {
 namespace attention {
 namespace {
 
-constexpr int kBlockM = 128;  // query rows a CTA
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * kConsumers;  // no producer warpgroup: see the kernel
-constexpr int kStages = 3;
-constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
+constexpr int kConsumers = 1;              // warpgroups a CTA, 64 query rows each
+constexpr int kBlockM = 64 * kConsumers;   // query rows a CTA
+constexpr int kThreads = 128 * kConsumers;
+constexpr int kCtasPerSm = 3;              // 168 registers a thread, 3 x 73 KB of shared memory
+constexpr int kStages = 2;
+constexpr int kTileBytes = 128 * 128;      // a [128][128 B] tile of K or V^T
+constexpr int kQTileBytes = kBlockM * 128;  // [kBlockM][128 B] of Q
 
 struct SharedStorage {
-  alignas(1024) uint8_t q[kTileBytes];
+  alignas(1024) uint8_t q[kQTileBytes];
   alignas(1024) uint8_t k[kStages][kTileBytes];
   alignas(1024) uint8_t v[kStages][kTileBytes];
   alignas(8) uint64_t q_full;
@@ -133,10 +135,6 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-// Waits until at most one committed group (the newest) is still running.
-__device__ __forceinline__ void wgmma_wait_all_but_newest() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
 
 // The 64 accumulator operands of an m64n128 wgmma; C is the constraint ("+r" or "+f").
 #define OMNI_WGMMA_ACC64(C, d) \
@@ -148,13 +146,6 @@ __device__ __forceinline__ void wgmma_wait_all_but_newest() {
       C(d[42]), C(d[43]), C(d[44]), C(d[45]), C(d[46]), C(d[47]), C(d[48]), C(d[49]), \
       C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), C(d[56]), C(d[57]), \
       C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
-
-// The first 32 of them: an m64n64 wgmma's.
-#define OMNI_WGMMA_ACC32(C, d) \
-  C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), C(d[8]), C(d[9]), \
-      C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), C(d[16]), C(d[17]), \
-      C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), C(d[24]), C(d[25]), \
-      C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31])
 
 #define OMNI_WGMMA_D64_LIST                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
@@ -187,21 +178,6 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-// d[32] (float32, m64n64) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K: half of
-// P V's head dimension, so a block's P V tile needs 32 registers at a time instead of 64.
-__device__ __forceinline__ void wgmma_e4m3_rs_n64(float (&d)[32], const uint32_t (&a)[4],
-                                                  uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-      ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : OMNI_WGMMA_ACC32("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-#undef OMNI_WGMMA_ACC32
 #undef OMNI_WGMMA_ACC64
 #undef OMNI_WGMMA_D64_LIST
 
@@ -264,17 +240,6 @@ __device__ __forceinline__ void issue_pv(float (&pv)[64], const uint32_t (&pa)[4
   const uint64_t v_desc = tile_descriptor(v_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
-}
-
-// pv_half = P (V^T rows 64 kHalf .. 64 kHalf + 63), the kHalf-th half of the head dimension of P V,
-// 4 x m64n64k32 e4m3; a fresh sum. The caller fences first.
-template <int kHalf>
-__device__ __forceinline__ void issue_pv_half(float (&pv_half)[32], const uint32_t (&pa)[4][4],
-                                              const uint8_t* v_tile) {
-  // 64 rows of a swizzled [rows][128 B] tile are eight whole 1024-byte swizzle atoms.
-  const uint64_t v_desc = tile_descriptor(v_tile + kHalf * 64 * 128);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs_n64(pv_half, pa[kk], v_desc + 2 * kk, kk);
 }
 
 // Online softmax state of this thread's two rows (g and g + 8), base 2, the max kept shifted by
@@ -361,22 +326,10 @@ __device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], floa
   for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
 }
 
-// fold for one half of the head dimension: pv_half[i] is o[32 kHalf + i] (an m64n64 accumulator
-// holds the first 8 column chunks of the m64n128 layout).
-template <int kHalf>
-__device__ __forceinline__ void fold_half(float (&o)[64], const float (&pv_half)[32],
-                                          float alpha_lo, float alpha_hi) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    float& acc = o[32 * kHalf + i];
-    acc = fmaf(acc, (i / 2) % 2 ? alpha_hi : alpha_lo, pv_half[i]);
-  }
-}
-
 #endif  // OMNI_SAGE_SM90_DEVICE
 
 template <typename OutT, int kFmaEighths>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
                      const __grid_constant__ CUtensorMap q_map,
                      const __grid_constant__ CUtensorMap k_map,
@@ -410,11 +363,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // Loads: thread 0 issues every TMA load (Q once; K and V^T tiles of kSageBlockN keys through
-  // a kStages-deep ring), block j + kStages - 1 at the start of block j, into the stage both
-  // warpgroups released when they finished block j - 1. No producer warpgroup: with 256 threads
-  // a CTA, ptxas may give each consumer thread 240 registers (it allocates one count for the
-  // whole kernel; setmaxnreg moves registers between warpgroups at run time but does not raise
-  // that count), which the overlapped loop below needs.
+  // a kStages-deep ring), block j + kStages - 1 at the start of block j into the stage block
+  // j - 1 released. No producer warpgroup and no setmaxnreg: ptxas allocates one register count
+  // for the whole kernel (168 at 384 threads whatever setmaxnreg later moves), so a CTA is the
+  // consumer warpgroup(s) alone, and kCtasPerSm independent CTAs an SM hide each other's
+  // softmax behind their MMAs.
   const int k_row0 = kv_bh * p.shape.seq_kv_pad;
   const int v_row0 = kv_bh * kSageHeadDim;
   auto load_kv = [&](int block) {
@@ -430,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tma_prefetch_descriptor(&v_map);
     // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
     // scores are computed and never stored.
-    mbar_expect_tx(&smem.q_full, kTileBytes);
+    mbar_expect_tx(&smem.q_full, kQTileBytes);
     tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
     for (int block = 0; block < min(kStages, num_n_blocks); ++block) load_kv(block);
   }
@@ -457,52 +410,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
     uint32_t s[64];        // S of the current block (int32)
     float pf[64];          // its probabilities
-    float pv[32];          // half of one block's P V, a fresh float32 tile
+    float pv[64];          // P V of one block, a fresh float32 tile
     uint32_t pa[4][4];     // P of one block as e4m3 A fragments
     float alpha_lo, alpha_hi;
 
-    // Block j's P V is issued in two halves of the head dimension around block j + 1's Q K^T:
-    // the first half's fold runs while the tensor cores take Q K^T and the second half, and
-    // the P V tile needs 32 registers instead of 64 (o, s, P and a 64-wide P V tile at once
-    // would not fit in 240).
-    if (num_n_blocks > 0) {
-      mbar_wait(&smem.k_full[0], 0);
-      issue_qk(s, q_desc, smem.k[0]);
-      wgmma_commit();
-      wgmma_wait_all();
-    }
     for (int j = 0; j < num_n_blocks; ++j) {
       const int stage = j % kStages;
       const uint32_t parity = (j / kStages) & 1;
       if (threadIdx.x == 0 && j >= 1 && j - 1 + kStages < num_n_blocks) {
-        // Block j - 1's stage, once both warpgroups are done with it (the other one lags by
-        // less than a block), takes block j - 1 + kStages.
+        // block j - 1's stage, once every consumer thread is done with it
         mbar_wait(&smem.kv_empty[(j - 1) % kStages], ((j - 1) / kStages) & 1);
         load_kv(j - 1 + kStages);
       }
+      mbar_wait(&smem.k_full[stage], parity);
+      issue_qk(s, q_desc, smem.k[stage]);
+      wgmma_commit();
+      wgmma_wait_all();
       rows.template exps<kFmaEighths>(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t,
                                       alpha_lo, alpha_hi);
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
       wgmma_fence();
-      issue_pv_half<0>(pv, pa, smem.v[stage]);
-      wgmma_commit();
-      if (j + 1 < num_n_blocks) {
-        const int next = (j + 1) % kStages;
-        mbar_wait(&smem.k_full[next], ((j + 1) / kStages) & 1);
-        issue_qk(s, q_desc, smem.k[next]);
-        wgmma_commit();
-        wgmma_wait_all_but_newest();  // the first half of P V is done; Q K^T may run on
-      } else {
-        wgmma_wait_all();
-      }
-      fold_half<0>(o, pv, alpha_lo, alpha_hi);
-      wgmma_fence();
-      issue_pv_half<1>(pv, pa, smem.v[stage]);
+      issue_pv(pv, pa, smem.v[stage]);
       wgmma_commit();
       wgmma_wait_all();
       mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
-      fold_half<1>(o, pv, alpha_lo, alpha_hi);
+      fold(o, pv, alpha_lo, alpha_hi);
     }
     float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = rows.l_lo, l_hi = rows.l_hi;
     // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
@@ -571,10 +504,10 @@ cudaError_t encode_tiled_function(EncodeTiledFn* fn) {
 // A [rows][width] byte matrix (row stride `width` bytes) read as [128 rows][128 B] boxes with
 // the 128-byte swizzle.
 cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void* base,
-                              uint64_t width, uint64_t rows) {
+                              uint64_t width, uint64_t rows, uint32_t box_rows = 128) {
   const cuuint64_t dims[2] = {width, rows};
   const cuuint64_t strides[1] = {width};
-  const cuuint32_t box[2] = {128, 128};
+  const cuuint32_t box[2] = {128, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
                             strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -596,7 +529,8 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
   CUtensorMap q_map, k_map, v_map;
   const uint64_t q_rows = static_cast<uint64_t>(p.shape.batch) * p.shape.heads * p.shape.seq_q;
   const uint64_t kv_heads = static_cast<uint64_t>(p.shape.batch) * p.shape.kv_heads;
-  if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows)) != cudaSuccess ||
+  if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows, kBlockM)) !=
+          cudaSuccess ||
       (err = encode_byte_tiles(encode, &k_map, p.k_int8, kSageHeadDim,
                                kv_heads * p.shape.seq_kv_pad)) != cudaSuccess ||
       (err = encode_byte_tiles(encode, &v_map, p.v_fp8, p.shape.seq_kv_pad,
