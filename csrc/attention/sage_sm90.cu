@@ -35,16 +35,14 @@ namespace omni {
 namespace attention {
 namespace {
 
-constexpr int kConsumers = 1;              // warpgroups a CTA, 64 query rows each
-constexpr int kBlockM = 64 * kConsumers;   // query rows a CTA
-constexpr int kThreads = 128 * kConsumers;
-constexpr int kCtasPerSm = 3;              // 168 registers a thread, 3 x 73 KB of shared memory
-constexpr int kStages = 2;
-constexpr int kTileBytes = 128 * 128;      // a [128][128 B] tile of K or V^T
-constexpr int kQTileBytes = kBlockM * 128;  // [kBlockM][128 B] of Q
+constexpr int kBlockM = 128;  // query rows a CTA
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kStages = 3;
+constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
 
 struct SharedStorage {
-  alignas(1024) uint8_t q[kQTileBytes];
+  alignas(1024) uint8_t q[kTileBytes];
   alignas(1024) uint8_t k[kStages][kTileBytes];
   alignas(1024) uint8_t v[kStages][kTileBytes];
   alignas(8) uint64_t q_full;
@@ -180,6 +178,15 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
 
 #undef OMNI_WGMMA_ACC64
 #undef OMNI_WGMMA_D64_LIST
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <uint32_t kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -329,7 +336,7 @@ __device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], floa
 #endif  // OMNI_SAGE_SM90_DEVICE
 
 template <typename OutT, int kFmaEighths>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, 1)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
                      const __grid_constant__ CUtensorMap q_map,
                      const __grid_constant__ CUtensorMap k_map,
@@ -362,33 +369,33 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
   __syncthreads();
 
-  // Loads: thread 0 issues every TMA load (Q once; K and V^T tiles of kSageBlockN keys through
-  // a kStages-deep ring), block j + kStages - 1 at the start of block j into the stage block
-  // j - 1 released. No producer warpgroup and no setmaxnreg: ptxas allocates one register count
-  // for the whole kernel (168 at 384 threads whatever setmaxnreg later moves), so a CTA is the
-  // consumer warpgroup(s) alone, and kCtasPerSm independent CTAs an SM hide each other's
-  // softmax behind their MMAs.
-  const int k_row0 = kv_bh * p.shape.seq_kv_pad;
-  const int v_row0 = kv_bh * kSageHeadDim;
-  auto load_kv = [&](int block) {
-    const int stage = block % kStages;
-    mbar_expect_tx(&smem.k_full[stage], kTileBytes);
-    tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + block * kSageBlockN);
-    mbar_expect_tx(&smem.v_full[stage], kTileBytes);
-    tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], block * kSageBlockN, v_row0);
-  };
-  if (threadIdx.x == 0) {
-    tma_prefetch_descriptor(&q_map);
-    tma_prefetch_descriptor(&k_map);
-    tma_prefetch_descriptor(&v_map);
-    // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
-    // scores are computed and never stored.
-    mbar_expect_tx(&smem.q_full, kQTileBytes);
-    tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
-    for (int block = 0; block < min(kStages, num_n_blocks); ++block) load_kv(block);
-  }
-  {
-    const int consumer = warpgroup;
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    registers_decrease<24>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&q_map);
+      tma_prefetch_descriptor(&k_map);
+      tma_prefetch_descriptor(&v_map);
+      // Rows past this head's Sq belong to the next head (or are out of bounds: zeros); their
+      // scores are computed and never stored.
+      mbar_expect_tx(&smem.q_full, kTileBytes);
+      tma_load_2d(smem.q, &q_map, &smem.q_full, 0, bh * p.shape.seq_q + m_block * kBlockM);
+      const int k_row0 = kv_bh * p.shape.seq_kv_pad;
+      const int v_row0 = kv_bh * kSageHeadDim;
+      for (int j = 0; j < num_n_blocks; ++j) {
+        const int stage = j % kStages;
+        if (j >= kStages) mbar_wait(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
+        mbar_expect_tx(&smem.k_full[stage], kTileBytes);
+        tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + j * kSageBlockN);
+        mbar_expect_tx(&smem.v_full[stage], kTileBytes);
+        tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
+      }
+    }
+  } else {
+    // ------------------------------------------------------------------ consumers
+    // (each role one branch of a single if/else: ptxas applies setmaxnreg only so)
+    registers_increase<240>();
+    const int consumer = warpgroup - 1;
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % 128) / 32;
     const int g = lane / 4;  // this thread's rows: g and g + 8 of its warp's 16
@@ -417,11 +424,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int j = 0; j < num_n_blocks; ++j) {
       const int stage = j % kStages;
       const uint32_t parity = (j / kStages) & 1;
-      if (threadIdx.x == 0 && j >= 1 && j - 1 + kStages < num_n_blocks) {
-        // block j - 1's stage, once every consumer thread is done with it
-        mbar_wait(&smem.kv_empty[(j - 1) % kStages], ((j - 1) / kStages) & 1);
-        load_kv(j - 1 + kStages);
-      }
       mbar_wait(&smem.k_full[stage], parity);
       issue_qk(s, q_desc, smem.k[stage]);
       wgmma_commit();
@@ -504,10 +506,10 @@ cudaError_t encode_tiled_function(EncodeTiledFn* fn) {
 // A [rows][width] byte matrix (row stride `width` bytes) read as [128 rows][128 B] boxes with
 // the 128-byte swizzle.
 cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void* base,
-                              uint64_t width, uint64_t rows, uint32_t box_rows = 128) {
+                              uint64_t width, uint64_t rows) {
   const cuuint64_t dims[2] = {width, rows};
   const cuuint64_t strides[1] = {width};
-  const cuuint32_t box[2] = {128, box_rows};
+  const cuuint32_t box[2] = {128, 128};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
                             strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -529,8 +531,7 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
   CUtensorMap q_map, k_map, v_map;
   const uint64_t q_rows = static_cast<uint64_t>(p.shape.batch) * p.shape.heads * p.shape.seq_q;
   const uint64_t kv_heads = static_cast<uint64_t>(p.shape.batch) * p.shape.kv_heads;
-  if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows, kBlockM)) !=
-          cudaSuccess ||
+  if ((err = encode_byte_tiles(encode, &q_map, p.q_int8, kSageHeadDim, q_rows)) != cudaSuccess ||
       (err = encode_byte_tiles(encode, &k_map, p.k_int8, kSageHeadDim,
                                kv_heads * p.shape.seq_kv_pad)) != cudaSuccess ||
       (err = encode_byte_tiles(encode, &v_map, p.v_fp8, p.shape.seq_kv_pad,
