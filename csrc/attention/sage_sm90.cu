@@ -258,12 +258,14 @@ struct RowSoftmax {
   float l_lo = 0.0f, l_hi = 0.0f;
 
   // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
-  // Keys past kv_len (the last block only) are masked. s is only read here. kFmaEighths of
+  // kMasked: keys past kv_len are masked (the caller passes true for the last block alone when
+  // kv_len is not a multiple of kSageBlockN: the compare-and-selects cost ~3 instructions a
+  // score, and the kernel is bound by instruction issue). s is only read here. kFmaEighths of
   // every 8 scores get their exp2 from exp2_on_fma, the rest from ex2.approx.
-  template <int kFmaEighths>
+  template <int kFmaEighths, bool kMasked>
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
-    const bool masked = (j + 1) * kSageBlockN > kv_len;
+    constexpr bool masked = kMasked;
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
     int max_lo = INT32_MIN, max_hi = INT32_MIN;  // INT32_MIN stands for "masked"
 #pragma unroll
@@ -428,8 +430,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_qk(s, q_desc, smem.k[stage]);
       wgmma_commit();
       wgmma_wait_all();
-      rows.template exps<kFmaEighths>(s, pf, j, kv_len, __ldg(k_scale + j) * p.qk_scale, t,
-                                      alpha_lo, alpha_hi);
+      const float k_factor = __ldg(k_scale + j) * p.qk_scale;
+      if ((j + 1) * kSageBlockN > kv_len) {
+        rows.template exps<kFmaEighths, true>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+      } else {
+        rows.template exps<kFmaEighths, false>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+      }
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
       wgmma_fence();
