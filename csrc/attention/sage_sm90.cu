@@ -2,8 +2,11 @@
 // int32), online softmax in base 2 with the running max shifted by log2(448) so P fills FP8's
 // range, P V with wgmma e4m3 (P from registers, V^T from shared memory) into a fresh float32
 // tile per key block that is then folded into the output accumulator (two-level accumulation:
-// the FP8 MMA's own accumulator keeps ~14 bits and never sums across blocks). The math is
-// omni_kernels/attention/quantized/reference.py's, step for step.
+// the FP8 MMA's own accumulator keeps ~14 bits and never sums across blocks). The softmax's
+// row sums come from the same MMA: each V^T stage carries 8 rows of ones after its 128, so the
+// m64n136 product returns P's row sums beside P V (one FADD a score fewer; the kernel is bound
+// by instruction issue), summed over the FP8-rounded P that multiplies V. The math is
+// omni_kernels/attention/quantized/reference.py's, step for step, with row_sums="fp8".
 //
 // A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
 //   * warpgroup 0, the producer: one thread issues TMA loads (Q once; K and V^T tiles of 128 keys
@@ -40,11 +43,16 @@ constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kStages = 3;
 constexpr int kTileBytes = 128 * 128;  // a [128][128 B] tile of Q, K or V^T
+// A V^T stage: the [128 dims][128 keys] tile TMA loads, then 8 rows of e4m3 ones written once
+// (one 1024-byte swizzle atom), so the P V MMA (m64n136) also returns P's row sums.
+constexpr int kOnesRows = 8;
+constexpr int kVStageBytes = (128 + kOnesRows) * 128;
+constexpr uint8_t kE4m3One = 0x38;
 
 struct SharedStorage {
   alignas(1024) uint8_t q[kTileBytes];
   alignas(1024) uint8_t k[kStages][kTileBytes];
-  alignas(1024) uint8_t v[kStages][kTileBytes];
+  alignas(1024) uint8_t v[kStages][kVStageBytes];
   alignas(8) uint64_t q_full;
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
@@ -145,6 +153,12 @@ __device__ __forceinline__ void wgmma_wait_all() {
       C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), C(d[56]), C(d[57]), \
       C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
 
+#define OMNI_WGMMA_D68_NAMES                                                                 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67"
+
 #define OMNI_WGMMA_D64_LIST                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "    \
@@ -165,19 +179,24 @@ __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uin
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// d[64] (float32, m64n128) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K.
-__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int accumulate) {
+// d[68] (float32, m64n136) (+)= A (e4m3, registers a[4]) x B (e4m3, shared)^T over 32 of K:
+// P V^T with V^T's 8 rows of ones after its 128 (d[64..67]: the row sums of P).
+#define OMNI_WGMMA_ACC68(C, d) \
+  OMNI_WGMMA_ACC64(C, d), C(d[64]), C(d[65]), C(d[66]), C(d[67])
+__device__ __forceinline__ void wgmma_e4m3_rs_n136(float (&d)[68], const uint32_t (&a)[4],
+                                                   uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " OMNI_WGMMA_D64_LIST
-      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : OMNI_WGMMA_ACC64("+f", d)
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" OMNI_WGMMA_D68_NAMES "}"
+      ", {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+      : OMNI_WGMMA_ACC68("+f", d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+#undef OMNI_WGMMA_ACC68
 #undef OMNI_WGMMA_ACC64
 #undef OMNI_WGMMA_D64_LIST
+#undef OMNI_WGMMA_D68_NAMES
 
 template <uint32_t kRegisters>
 __device__ __forceinline__ void registers_increase() {
@@ -240,22 +259,22 @@ __device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, con
   for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
 }
 
-// pv = P V^T-tile, 4 x m64n128k32 e4m3 with P from registers; a fresh sum (the FP8 MMA's own
-// accumulator never carries across blocks). The caller fences first.
-__device__ __forceinline__ void issue_pv(float (&pv)[64], const uint32_t (&pa)[4][4],
-                                         const uint8_t* v_tile) {
-  const uint64_t v_desc = tile_descriptor(v_tile);
+// pv = P [V^T-tile; ones], 4 x m64n136k32 e4m3 with P from registers: pv[0..63] P V, pv[64..67]
+// P's row sums (rows g, g, g + 8, g + 8: every column of the ones rows holds the sum). A fresh
+// sum (the FP8 MMA's own accumulator never carries across blocks). The caller fences first.
+__device__ __forceinline__ void issue_pv(float (&pv)[68], const uint32_t (&pa)[4][4],
+                                         const uint8_t* v_stage) {
+  const uint64_t v_desc = tile_descriptor(v_stage);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(pv, pa[kk], v_desc + 2 * kk, kk);
+  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs_n136(pv, pa[kk], v_desc + 2 * kk, kk);
 }
 
 // Online softmax state of this thread's two rows (g and g + 8), base 2, the max kept shifted by
-// log2(448) so P fills FP8's range; l is this thread's share of the row sum (reduced at the end).
+// log2(448) so P fills FP8's range. The row sums l live in the output accumulator (fold).
 struct RowSoftmax {
   float q_scale_lo, q_scale_hi;
   // m starts finite, so a row whose keys are all masked never forms (-inf) - (-inf).
   float m_lo = -1.0e30f, m_hi = -1.0e30f;
-  float l_lo = 0.0f, l_hi = 0.0f;
 
   // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
   // kMasked: keys past kv_len are masked (the caller passes true for the last block alone when
@@ -296,7 +315,6 @@ struct RowSoftmax {
     alpha_hi = fast_exp2(m_hi - m_new_hi);
     m_lo = m_new_lo;
     m_hi = m_new_hi;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       const bool hi = (i / 2) % 2 == 1;
@@ -305,14 +323,7 @@ struct RowSoftmax {
       float e = (i % 8) < kFmaEighths ? exp2_on_fma(x) : fast_exp2(x);
       if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
       pf[i] = e;
-      if (hi) {
-        sum_hi += e;
-      } else {
-        sum_lo += e;
-      }
     }
-    l_lo = l_lo * alpha_lo + sum_lo;
-    l_hi = l_hi * alpha_hi + sum_hi;
   }
 };
 
@@ -328,11 +339,12 @@ __device__ __forceinline__ void pack_p(const float (&pf)[64], uint32_t (&pa)[4][
   }
 }
 
-// o = o * alpha + pv, alpha per row (lo: row g, hi: row g + 8).
-__device__ __forceinline__ void fold(float (&o)[64], const float (&pv)[64], float alpha_lo,
+// o = o * alpha + pv, alpha per row (lo: row g, hi: row g + 8); o[64..67] are the running row
+// sums l (the online softmax's l = l * alpha + sum, in the same FMAs).
+__device__ __forceinline__ void fold(float (&o)[68], const float (&pv)[68], float alpha_lo,
                                      float alpha_hi) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
+  for (int i = 0; i < 68; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
 }
 
 #endif  // OMNI_SAGE_SM90_DEVICE
@@ -360,6 +372,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_n_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
   const int warpgroup = threadIdx.x / 128;
 
+  // The ones rows after every V^T stage's tile, written once (TMA never touches them). The proxy
+  // fence orders these ordinary stores before wgmma's (async proxy) reads after the barrier.
+  constexpr int kOnesWords = kOnesRows * 128 / 8;
+  for (int i = threadIdx.x; i < kStages * kOnesWords; i += kThreads) {
+    reinterpret_cast<uint64_t*>(smem.v[i / kOnesWords] + kTileBytes)[i % kOnesWords] =
+        0x0101010101010101ull * kE4m3One;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   if (threadIdx.x == 0) {
     mbar_init(&smem.q_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -411,15 +431,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN);
 
     RowSoftmax rows{q_scale_lo, q_scale_hi};
-    float o[64];
+    float o[68];  // P V and, in o[64..67], the row sums
 #pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    for (int i = 0; i < 68; ++i) o[i] = 0.0f;
 
     mbar_wait(&smem.q_full, 0);
     const uint64_t q_desc = tile_descriptor(smem.q + consumer * kRowsPerConsumer * 128);
     uint32_t s[64];        // S of the current block (int32)
     float pf[64];          // its probabilities
-    float pv[64];          // P V of one block, a fresh float32 tile
+    float pv[68];          // P V of one block (and its row sums), a fresh float32 tile
     uint32_t pa[4][4];     // P of one block as e4m3 A fragments
     float alpha_lo, alpha_hi;
 
@@ -445,13 +465,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
       fold(o, pv, alpha_lo, alpha_hi);
     }
-    float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = rows.l_lo, l_hi = rows.l_hi;
+    // Every thread of a quad holds its rows' whole sums (the ones columns 128 + 2t, 129 + 2t).
+    const float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = o[64], l_hi = o[66];
     // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
-#pragma unroll
-    for (int offset = 1; offset < 4; offset <<= 1) {
-      l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
-      l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
-    }
     const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
     const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
     const float* v_scale = p.v_scale + static_cast<int64_t>(kv_bh) * kSageHeadDim;

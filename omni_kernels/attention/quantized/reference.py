@@ -228,12 +228,17 @@ def dequantize_qkv(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, k, v
 
 
+#: quantized_attention_reference's row_sums values.
+ROW_SUMS = ("float32", "fp8")
+
+
 def quantized_attention_reference(
     qkv: QuantizedQKV,
     *,
     scale: float,
     key_lengths: torch.Tensor | None = None,
     return_lse: bool = False,
+    row_sums: str = "float32",
 ):
     """Attention on quantized inputs, blockwise as the kernel computes it.
 
@@ -241,7 +246,14 @@ def quantized_attention_reference(
     ``lse`` float32 ``[B, Hq, Sq]`` (natural log). GQA: query head ``h`` reads
     kv head ``h // (Hq // Hkv)``. ``key_lengths`` (int ``[B]``): keys
     ``j >= key_lengths[b]`` are masked; a row without keys gives 0 / ``-inf``.
+
+    ``row_sums``: what the softmax denominator sums. ``"float32"`` (the Triton
+    kernel): the float32 probabilities. ``"fp8"`` (the Hopper CUDA kernel, whose
+    P V MMA also multiplies P by a row of ones): the FP8-rounded probabilities
+    that multiply V, so each output row is an exact convex combination of V's rows.
     """
+    if row_sums not in ROW_SUMS:
+        raise ValueError(f"row_sums must be one of {ROW_SUMS}; got {row_sums!r}")
     q8, qs = qkv.q_int8, qkv.q_scale
     batch, hq, sq, d = q8.shape
     hkv = qkv.k_int8.shape[1]
@@ -271,8 +283,9 @@ def quantized_attention_reference(
         m_new = torch.maximum(m, s.amax(dim=-1) - LOG2_FP8_MAX)
         p = torch.exp2(s - m_new[..., None])
         alpha = torch.exp2(m - m_new)
-        l_sum = l_sum * alpha + p.sum(dim=-1)
-        pv = fp8_round(p) @ vt[:, :, :, j * bn:(j + 1) * bn].transpose(-1, -2)
+        p8 = fp8_round(p)
+        l_sum = l_sum * alpha + (p if row_sums == "float32" else p8).sum(dim=-1)
+        pv = p8 @ vt[:, :, :, j * bn:(j + 1) * bn].transpose(-1, -2)
         acc = acc * alpha[..., None] + pv
         m = m_new
     has = l_sum > 0
