@@ -153,17 +153,14 @@ __device__ __forceinline__ void wgmma_wait_all() {
       C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), C(d[56]), C(d[57]), \
       C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
 
-#define OMNI_WGMMA_D68_NAMES                                                                 \
+// The operand names of the 64 accumulator registers, and of an m64n136 wgmma's 68.
+#define OMNI_WGMMA_D64_NAMES                                                                 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
-  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67"
-
-#define OMNI_WGMMA_D64_LIST                                                                  \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "    \
-  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "    \
-  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+  "%56, %57, %58, %59, %60, %61, %62, %63"
+#define OMNI_WGMMA_D64_LIST "{" OMNI_WGMMA_D64_NAMES "}"
+#define OMNI_WGMMA_D68_LIST "{" OMNI_WGMMA_D64_NAMES ", %64, %65, %66, %67}"
 
 // d[64] (int32, m64n128) (+)= A (s8, shared) x B (s8, shared)^T over 32 of K.
 // accumulate == 0 starts a fresh sum (the instruction's own zeroing: setting the accumulator
@@ -187,7 +184,7 @@ __device__ __forceinline__ void wgmma_e4m3_rs_n136(float (&d)[68], const uint32_
                                                    uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" OMNI_WGMMA_D68_NAMES "}"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " OMNI_WGMMA_D68_LIST
       ", {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
       : OMNI_WGMMA_ACC68("+f", d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
@@ -196,7 +193,8 @@ __device__ __forceinline__ void wgmma_e4m3_rs_n136(float (&d)[68], const uint32_
 #undef OMNI_WGMMA_ACC68
 #undef OMNI_WGMMA_ACC64
 #undef OMNI_WGMMA_D64_LIST
-#undef OMNI_WGMMA_D68_NAMES
+#undef OMNI_WGMMA_D68_LIST
+#undef OMNI_WGMMA_D64_NAMES
 
 template <uint32_t kRegisters>
 __device__ __forceinline__ void registers_increase() {
@@ -284,12 +282,11 @@ struct RowSoftmax {
   template <int kFmaEighths, bool kMasked>
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
-    constexpr bool masked = kMasked;
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
     int max_lo = INT32_MIN, max_hi = INT32_MIN;  // INT32_MIN stands for "masked"
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      const int v = (masked && 8 * (i / 4) + (i % 2) >= valid_cols) ? INT32_MIN
+      const int v = (kMasked && 8 * (i / 4) + (i % 2) >= valid_cols) ? INT32_MIN
                                                                     : static_cast<int>(s[i]);
       if ((i / 2) % 2 == 0) {
         max_lo = max(max_lo, v);
@@ -321,7 +318,7 @@ struct RowSoftmax {
       const float score = static_cast<float>(static_cast<int>(s[i]));  // exact: |s| < 2^22
       const float x = fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo));
       float e = (i % 8) < kFmaEighths ? exp2_on_fma(x) : fast_exp2(x);
-      if (masked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
+      if (kMasked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
       pf[i] = e;
     }
   }
