@@ -11,8 +11,10 @@
 // A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
 //   * warpgroup 0, the producer: one thread issues TMA loads (Q once; K and V^T tiles of 128 keys
 //     through a kStages-deep ring) and gives its registers to the consumers (setmaxnreg).
-//   * warpgroups 1 and 2, the consumers: 64 query rows each; they share every K/V tile, and one
-//     computes its softmax while the other's MMAs run.
+//   * warpgroups 1 and 2, the consumers: 64 query rows each; they share every K/V tile and take
+//     turns issuing MMAs (ping-pong on named barriers), so one computes its softmax while the
+//     other's MMAs run. A turn issues block j's P V and block j+1's Q K^T together; the fold of
+//     block j then overlaps that Q K^T.
 // Shared memory tiles are [rows][128 bytes] with the 128-byte swizzle that TMA writes and wgmma
 // reads (both K-major: 8-bit wgmma operands must be).
 //
@@ -88,9 +90,13 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Waits for the phase of `bar` with this parity to complete. A wait that outlasts ~2^36 cycles
-// (~35 s; a tile's data takes microseconds) is a pipeline bug: trap, so the launch fails with an
-// error instead of hanging the GPU.
+// Waits for the phase of `bar` with this parity to complete. kTrap (the producer's waits): a
+// wait that outlasts ~2^36 cycles (~35 s; a tile's data takes microseconds) is a pipeline bug,
+// so trap and the launch fails with an error instead of hanging the GPU. The consumers' waits
+// never trap: a trap anywhere in their code makes ptxas allocate them the kernel-wide 168
+// registers instead of setmaxnreg's 240 (checked in the SASS), and a stuck consumer leaves the
+// producer waiting for its release, which traps.
+template <bool kTrap = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   const long long start = clock64();
@@ -102,7 +108,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "=r"(done)
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
-    if (!done && clock64() - start > (1ll << 36)) __trap();
+    if (kTrap && !done && clock64() - start > (1ll << 36)) __trap();
   } while (!done);
 }
 
@@ -138,8 +144,27 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most kPending of this warpgroup's committed wgmma groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
+
+// Keeps the compiler from moving or copying an accumulator register across this point (the
+// wgmma writes it asynchronously until the wait that precedes this).
+template <typename T, int N>
+__device__ __forceinline__ void fence_operands(T (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(reinterpret_cast<uint32_t&>(d[i]))::"memory");
+}
+
+// ---- named barriers (id 0 is __syncthreads')
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The 64 accumulator operands of an m64n128 wgmma; C is the constraint ("+r" or "+f").
@@ -248,10 +273,12 @@ __device__ __forceinline__ void store_pair<__half>(__half* dst, float a, float b
 
 // ---- the steps of one key block, for one consumer warpgroup (64 query rows)
 
-// s = Q K^T (exact int32), 4 x m64n128k32 s8; opens a wgmma group (the fence also orders this
-// thread's earlier register writes, P's fragments included, before the MMAs).
-__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile) {
-  wgmma_fence();
+// s = Q K^T (exact int32), 4 x m64n128k32 s8. `fence` orders this thread's earlier register
+// writes (s's readers, P's fragments) before the MMAs; false where the caller has just fenced
+// for MMAs issued before these.
+__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile,
+                                         bool fence = true) {
+  if (fence) wgmma_fence();
   const uint64_t k_desc = tile_descriptor(k_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
@@ -403,11 +430,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int v_row0 = kv_bh * kSageHeadDim;
       for (int j = 0; j < num_n_blocks; ++j) {
         const int stage = j % kStages;
-        if (j >= kStages) mbar_wait(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
+        if (j >= kStages) mbar_wait<true>(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
         mbar_expect_tx(&smem.k_full[stage], kTileBytes);
         tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + j * kSageBlockN);
         mbar_expect_tx(&smem.v_full[stage], kTileBytes);
         tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
+      }
+      // Stay until the consumers have released the last stages: a consumer that never gets its
+      // data then shows as this wait's trap (theirs do not trap) instead of a hung GPU.
+      for (int j = max(0, num_n_blocks - kStages); j < num_n_blocks; ++j) {
+        mbar_wait<true>(&smem.kv_empty[j % kStages], (j / kStages) & 1);
       }
     }
   } else {
@@ -440,13 +472,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t pa[4][4];     // P of one block as e4m3 A fragments
     float alpha_lo, alpha_hi;
 
+    // Warpgroup ping-pong (FlashAttention-3's scheduling): a consumer issues its MMAs only in
+    // its turn (named barrier kTurnBarrier + consumer) and then hands the turn to the other, so
+    // one warpgroup's softmax runs while the other's MMAs do; left alone, both drift into
+    // computing softmax at once with the tensor cores idle. Consumer 0 goes first. Every turn
+    // is matched: consumer 1 skips its last hand-over (consumer 0 takes no turn after it).
+    constexpr int kTurnBarrier = 1;
+    const auto turn_begin = [&] { named_barrier_sync(kTurnBarrier + consumer, kConsumerThreads); };
+    const auto turn_end = [&](bool last) {
+      if (!(last && consumer == 1)) {
+        named_barrier_arrive(kTurnBarrier + (consumer ^ 1), kConsumerThreads);
+      }
+    };
+    if (consumer == 1 && num_n_blocks > 0) named_barrier_arrive(kTurnBarrier, kConsumerThreads);
+
+    // Block j+1's Q K^T is issued with block j's P V, in one turn: it runs while this
+    // warpgroup folds block j.
+    if (num_n_blocks > 0) {
+      mbar_wait(&smem.k_full[0], 0);
+      turn_begin();
+      issue_qk(s, q_desc, smem.k[0]);
+      wgmma_commit();
+      turn_end(false);
+      wgmma_wait_all();
+      fence_operands(s);
+    }
     for (int j = 0; j < num_n_blocks; ++j) {
       const int stage = j % kStages;
       const uint32_t parity = (j / kStages) & 1;
-      mbar_wait(&smem.k_full[stage], parity);
-      issue_qk(s, q_desc, smem.k[stage]);
-      wgmma_commit();
-      wgmma_wait_all();
+      const bool has_next = j + 1 < num_n_blocks;
       const float k_factor = __ldg(k_scale + j) * p.qk_scale;
       if ((j + 1) * kSageBlockN > kv_len) {
         rows.template exps<kFmaEighths, true>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
@@ -455,12 +509,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
+      // The last block issues a Q K^T of its own K again (discarded): an unconditional group
+      // lets ptxas see which accumulators each wait releases (a conditional one serialized the
+      // MMAs).
+      const int next_stage = has_next ? (j + 1) % kStages : stage;
+      if (has_next) mbar_wait(&smem.k_full[next_stage], ((j + 1) / kStages) & 1);
+      turn_begin();
       wgmma_fence();
       issue_pv(pv, pa, smem.v[stage]);
       wgmma_commit();
-      wgmma_wait_all();
-      mbar_arrive(&smem.kv_empty[stage]);  // K and V^T of this stage are no longer read
+      issue_qk(s, q_desc, smem.k[next_stage], /*fence=*/false);
+      wgmma_commit();
+      turn_end(!has_next);
+      wgmma_wait<1>();
+      fence_operands(pv);
+      mbar_arrive(&smem.kv_empty[stage]);  // V^T of this stage is no longer read (K may be,
+                                           // by the discarded last Q K^T: no load follows it)
       fold(o, pv, alpha_lo, alpha_hi);
+      wgmma_wait<0>();
+      fence_operands(s);
     }
     // Every thread of a quad holds its rows' whole sums (the ones columns 128 + 2t, 129 + 2t).
     const float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = o[64], l_hi = o[66];
