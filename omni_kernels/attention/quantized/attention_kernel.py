@@ -225,10 +225,11 @@ class SageConfig:
     head_dim 128, needs the compiled extension; its tile is fixed at 128 x 128 with
     three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
     ``num_warps``/``num_stages``/``use_tma``/``warp_specialize``/``score_bias`` describe
-    nothing for it). On the H200 the cuda_sm90 kernel alone ran 723 / 858 / 859 TFLOP/s at
-    Flux / Wan 720p / HunyuanVideo 720p against the Triton kernel's 708 / 755 / 759 (both
-    issue-bound; it sums P through its P V MMA and masks only a partial last block:
-    bench/results/quantized_attention_tune-sm90-ones-rowsum_nvidia-h200_20261130.md).
+    nothing for it). On the H200 the cuda_sm90 kernel alone ran 726 / 864 / 863 TFLOP/s at
+    Flux / Wan 720p / HunyuanVideo 720p against the Triton kernel's 706 / 746 / 743 (it sums
+    P through its P V MMA, masks only a partial last block, and its two consumer warpgroups
+    take turns on the tensor cores:
+    bench/results/quantized_attention_tune-sm90-pingpong_nvidia-h200_20261130.md).
 
     ``fma_exp2_eighths`` (cuda_sm90 only; 0, 2, 3 or 4): that many of every 8 scores get
     their ``exp2`` from a degree-3 polynomial on the FMA pipes (relative error 7.5e-5, under
