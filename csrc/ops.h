@@ -76,14 +76,12 @@ std::vector<std::string> fp8_gemm_cublaslt_plans();
 // keys permuted in groups of 16), head_dim 128. Writes out [B, Hq, Sq, 128] (a view with any
 // even strides, unit last) and, if given, lse [B, Hq, Sq] float32 (natural log, K's mean added
 // back). Keys >= key_lengths[b] (int32 [B], optional) and >= seq_kv are masked.
-// fma_exp2_eighths (0, 2, 3 or 4): that many of every 8 scores take their exp2 from a polynomial
-// on the FMA pipes, the rest from the special-function unit.
 void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_scale,
                          const torch::Tensor& q_kmean, const torch::Tensor& k_int8,
                          const torch::Tensor& k_scale, const torch::Tensor& v_fp8,
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
-                         double scale, int64_t fma_exp2_eighths, torch::Tensor& out,
+                         double scale, torch::Tensor& out,
                          const std::optional<torch::Tensor>& lse);
 
 // Q/K/V quantization for sage_attention_sm90 (csrc/attention/sage_quant.cu): q [B, Hq, Sq, 128],

@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -45,7 +44,7 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                          const torch::Tensor& k_scale, const torch::Tensor& v_fp8,
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
-                         double scale, int64_t fma_exp2_eighths, torch::Tensor& out,
+                         double scale, torch::Tensor& out,
                          const std::optional<torch::Tensor>& lse) {
   TORCH_CHECK(q_int8.is_cuda(), kOp, ": q_int8 must be a CUDA tensor");
   TORCH_CHECK(q_int8.dim() == 4 && k_int8.dim() == 4, kOp,
@@ -94,10 +93,6 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
               out.stride(3), ")");
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0, kOp, ": scale must be positive and finite; ",
               "got ", scale);
-  const auto& splits = omni::attention::kSageFmaExp2Eighths;
-  TORCH_CHECK(std::find(splits.begin(), splits.end(), fma_exp2_eighths) != splits.end(),
-              kOp, ": fma_exp2_eighths must be one of ", c10::Join(", ", splits), "; got ",
-              fma_exp2_eighths);
   // TMA coordinates and the 1-D grid are 32-bit.
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
   const int64_t m_blocks = (seq_q + 127) / 128;
@@ -136,8 +131,7 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
   const auto kind = out_dtype == torch::kBFloat16 ? omni::attention::SageOutKind::kBFloat16
                                                   : omni::attention::SageOutKind::kFloat16;
   const cudaError_t err =
-      omni::attention::launch_sage_attention_sm90(p, kind, static_cast<int>(fma_exp2_eighths),
-                                                  at::cuda::getCurrentCUDAStream());
+      omni::attention::launch_sage_attention_sm90(p, kind, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err != cudaErrorNoKernelImageForDevice && err != cudaErrorInvalidDeviceFunction,
               kOp, ": this build of omni_kernels has no sm_90a code for it; rebuild with ",
               "OMNI_CUDA_ARCHS including 90a");

@@ -67,10 +67,6 @@ constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr float kShift = 8.807354922057604f;  // log2(448)
 constexpr float kLn2 = 0.6931471805599453f;
-// Adding 1.5 * 2^23 to a float of magnitude < 2^22 rounds it to the nearest integer, which the
-// sum's low mantissa bits then hold (exp2_on_fma's range reduction).
-constexpr float kRoundBias = 12582912.0f;  // 1.5 * 2^23
-
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -236,23 +232,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipes, for the scores the special-function unit should not take (it also runs
-// the e4m3 packing and is the softmax's bottleneck). x is clamped to >= -120 (P is then rounded
-// to e4m3, whose smallest value is 2^-9: those are zeros either way). x = j + f with j the
-// nearest integer (the 1.5 * 2^23 rounding trick) and f in [-1/2, 1/2]; 2^f by a degree-3
-// polynomial fitted for relative error (max 7.5e-5, below ex2.approx's own error's effect
-// on an e4m3 P); j goes straight into the exponent: (t's bits << 23) == (j << 23) mod 2^32
-// because 1.5 * 2^23's bits end in 23 zeros after the shift.
-__device__ __forceinline__ float exp2_on_fma(float x) {
-  x = fmaxf(x, -120.0f);
-  const float t = x + kRoundBias;           // j + 1.5 * 2^23, exactly
-  const float f = x - (t - kRoundBias);     // in [-1/2, 1/2]
-  float p = fmaf(f, 0.05517166f, 0.24261113f);
-  p = fmaf(f, p, 0.69326097f);
-  p = fmaf(f, p, 0.99992806f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-
 // Two floats to two e4m3 bytes (round to nearest even, saturating): `lo` in the low byte.
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   uint16_t r;
@@ -304,9 +283,10 @@ struct RowSoftmax {
   // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
   // kMasked: keys past kv_len are masked (the caller passes true for the last block alone when
   // kv_len is not a multiple of kSageBlockN: the compare-and-selects cost ~3 instructions a
-  // score, and the kernel is bound by instruction issue). s is only read here. kFmaEighths of
-  // every 8 scores get their exp2 from exp2_on_fma, the rest from ex2.approx.
-  template <int kFmaEighths, bool kMasked>
+  // score, and the kernel is bound by instruction issue). s is only read here. Every exp2 is
+  // ex2.approx: a share on the FMA pipes (a polynomial, 1 to 4 of every 8 scores) measured
+  // slower on the H200 (bench/results/quantized_attention_sm90-scheduling-variants_*).
+  template <bool kMasked>
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
@@ -344,7 +324,7 @@ struct RowSoftmax {
       const bool hi = (i / 2) % 2 == 1;
       const float score = static_cast<float>(static_cast<int>(s[i]));  // exact: |s| < 2^22
       const float x = fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo));
-      float e = (i % 8) < kFmaEighths ? exp2_on_fma(x) : fast_exp2(x);
+      float e = fast_exp2(x);
       if (kMasked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
       pf[i] = e;
     }
@@ -373,7 +353,7 @@ __device__ __forceinline__ void fold(float (&o)[68], const float (&pv)[68], floa
 
 #endif  // OMNI_SAGE_SM90_DEVICE
 
-template <typename OutT, int kFmaEighths>
+template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
                      const __grid_constant__ CUtensorMap q_map,
@@ -503,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool has_next = j + 1 < num_n_blocks;
       const float k_factor = __ldg(k_scale + j) * p.qk_scale;
       if ((j + 1) * kSageBlockN > kv_len) {
-        rows.template exps<kFmaEighths, true>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+        rows.template exps<true>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
       } else {
-        rows.template exps<kFmaEighths, false>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+        rows.template exps<false>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
       }
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
@@ -604,9 +584,9 @@ cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename OutT, int kFmaEighths>
+template <typename OutT>
 cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
-  auto* kernel = &sage_sm90_kernel<OutT, kFmaEighths>;
+  auto* kernel = &sage_sm90_kernel<OutT>;
   cudaFuncAttributes attributes;
   cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no image at all: an error
   if (err != cudaSuccess) return err;
@@ -637,25 +617,10 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-template <typename OutT>
-cudaError_t launch_with_exp2_split(const SageSm90Params& p, int fma_exp2_eighths,
-                                   cudaStream_t stream) {
-  static_assert(kSageFmaExp2Eighths == std::array<int, 4>{0, 2, 3, 4},
-                "one case below per value of kSageFmaExp2Eighths");
-  switch (fma_exp2_eighths) {
-    case 0: return launch_typed<OutT, 0>(p, stream);
-    case 2: return launch_typed<OutT, 2>(p, stream);
-    case 3: return launch_typed<OutT, 3>(p, stream);
-    case 4: return launch_typed<OutT, 4>(p, stream);
-    default: return cudaErrorInvalidValue;  // the host entry checks the value first
-  }
-}
-
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       int fma_exp2_eighths, cudaStream_t stream) {
-  return out_kind == SageOutKind::kBFloat16
-             ? launch_with_exp2_split<__nv_bfloat16>(params, fma_exp2_eighths, stream)
-             : launch_with_exp2_split<__half>(params, fma_exp2_eighths, stream);
+                                       cudaStream_t stream) {
+  return out_kind == SageOutKind::kBFloat16 ? launch_typed<__nv_bfloat16>(params, stream)
+                                            : launch_typed<__half>(params, stream);
 }
 
 }  // namespace attention

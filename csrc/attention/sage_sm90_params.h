@@ -3,7 +3,6 @@
 // omni_kernels/attention/quantized/quantize.py (the math: .../quantized/reference.py).
 #pragma once
 
-#include <array>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -59,12 +58,8 @@ enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
 
 // Launches the kernel on `stream`; returns cudaSuccess or the first CUDA error (a build
 // without sm_90a code gives cudaErrorNoKernelImageForDevice).
-// The fma_exp2_eighths values the kernel is built for: that many of every 8 scores take their
-// exp2 from a polynomial on the FMA pipes instead of the special-function unit.
-constexpr std::array<int, 4> kSageFmaExp2Eighths = {0, 2, 3, 4};
-
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       int fma_exp2_eighths, cudaStream_t stream);
+                                       cudaStream_t stream);
 
 }  // namespace attention
 }  // namespace omni

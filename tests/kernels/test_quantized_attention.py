@@ -29,7 +29,6 @@ import torch
 from omni_kernels.attention import attention, get_backend, select_backend
 from omni_kernels.attention.quantized.attention_kernel import (
     CUDA_SM90_CONFIG,
-    FMA_EXP2_EIGHTHS,
     SageConfig,
     cuda_sm90_unsupported_reason,
     default_config,
@@ -350,55 +349,9 @@ def test_sage_config_kernel_validation():
     with pytest.raises(ValueError, match="block_m=128 and block_n=128"):
         SageConfig(64, 128, 4, 3, kernel="cuda_sm90")
     assert CUDA_SM90_CONFIG.kernel == "cuda_sm90" and "cuda_sm90" in CUDA_SM90_CONFIG.describe()
-    with pytest.raises(ValueError, match=r"fma_exp2_eighths must be one of \(0, 2, 3, 4\); got 5"):
-        SageConfig(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=5)
-    with pytest.raises(ValueError, match="fma_exp2_eighths applies to kernel='cuda_sm90' only"):
-        SageConfig(64, 128, 4, 3, fma_exp2_eighths=2)
-    assert "exp2 of 3/8 on FMA" in SageConfig(128, 128, 12, 3, kernel="cuda_sm90", fma_exp2_eighths=3).describe()
     with pytest.raises(ValueError, match="cuda_quantizer applies to kernel='cuda_sm90' only"):
         SageConfig(64, 128, 4, 3, cuda_quantizer=True)
     assert "CUDA quantizer" in SageConfig(128, 128, 12, 3, kernel="cuda_sm90", cuda_quantizer=True).describe()
-
-
-def test_cuda_exp2_on_fma_polynomial():
-    """The CUDA kernel's exp2_on_fma, replayed in float32 with its own constants (read from
-    csrc/attention/sage_sm90.cu) and its operation order: relative error <= 8e-5 against 2^x over
-    the scores' range (x <= log2(448), P rounded to e4m3 afterwards), exact powers of two at
-    integers, and the exponent trick ((bits of j + 1.5 * 2^23) << 23 == j << 23) for every j."""
-    import re
-    from pathlib import Path
-
-    import numpy as np
-
-    source = (Path(__file__).resolve().parents[2] / "csrc" / "attention" / "sage_sm90.cu").read_text()
-    body = source[source.index("float exp2_on_fma(float x)"):]
-    body = body[:body.index("\n}\n")]
-    clamp = float(re.search(r"fmaxf\(x, (-?[0-9.]+)f\)", body).group(1))
-    c3, c2 = (float(v) for v in re.search(r"fmaf\(f, ([0-9.]+)f, ([0-9.]+)f\)", body).groups())
-    c1, c0 = (float(v) for v in re.findall(r"p = fmaf\(f, p, ([0-9.]+)f\);", body))
-    f32 = np.float32
-    bias = f32(12582912.0)
-
-    def exp2_on_fma(x):
-        x = np.maximum(x.astype(f32), f32(clamp))
-        t = (x + bias).astype(f32)
-        f = (x - (t - bias)).astype(f32)
-        f64 = f.astype(np.float64)  # an fmaf rounds once: in float64, then to float32
-        p = (f64 * np.float64(f32(c3)) + np.float64(f32(c2))).astype(f32)
-        p = (f64 * p + np.float64(f32(c1))).astype(f32)
-        p = (f64 * p + np.float64(f32(c0))).astype(f32)
-        bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
-        return bits.view(f32)
-
-    x = np.linspace(-100.0, 8.807354922057604, 2_000_003).astype(f32)
-    rel = np.abs(exp2_on_fma(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1).max()
-    assert rel <= 8e-5, rel
-    ints = np.arange(-100, 9).astype(f32)
-    assert np.allclose(exp2_on_fma(ints), np.exp2(ints.astype(np.float64)), rtol=8e-5, atol=0)
-    j = np.arange(-130, 10, dtype=np.int64)
-    t_bits = (np.int64(0x4B400000) + j).astype(np.uint32)
-    assert np.array_equal(t_bits << np.uint32(23), (j.astype(np.int64) << 23).astype(np.uint32))
-    assert exp2_on_fma(np.array([-1e30], dtype=f32))[0] <= 2.0 ** -119  # clamped: no wrap
 
 
 def test_cuda_sm90_kernel_unavailable_is_a_clear_error():
@@ -711,14 +664,10 @@ def _skip_without_cuda_sm90():
         pytest.skip(reason)
 
 
-SM90_CONFIGS = [dataclasses.replace(CUDA_SM90_CONFIG, fma_exp2_eighths=e) for e in FMA_EXP2_EIGHTHS]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda c: f"exp2-fma-{c.fma_exp2_eighths}of8")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_gpu_cuda_sm90_matches_blockwise_reference(layout, dtype, config):
+def test_gpu_cuda_sm90_matches_blockwise_reference(layout, dtype):
     """The wgmma kernel against the reference on the same quantized tensors: GQA, odd query
     count (a partial 128-row tile), key lengths (a ragged last block, an empty sample), LSE;
     outputs poisoned with NaN first."""
@@ -733,7 +682,7 @@ def test_gpu_cuda_sm90_matches_blockwise_reference(layout, dtype, config):
     qkv = quantize_qkv(q, k, v, layout=layout, block_n=128, key_lengths=lengths, permute_v=True)
     out = torch.full_like(q, float("nan"))
     _, lse = sage_attention_quantized(qkv, out, layout=layout, scale=1 / math.sqrt(d),
-                                      key_lengths=lengths, return_lse=True, config=config)
+                                      key_lengths=lengths, return_lse=True, config=CUDA_SM90_CONFIG)
     torch.cuda.synchronize()
     # the kernel's softmax denominators sum the FP8-rounded P (its P V MMA's ones rows)
     ref, ref_lse = quantized_attention_reference(qkv, scale=1 / math.sqrt(d), key_lengths=lengths,
@@ -774,13 +723,12 @@ def test_gpu_cuda_sm90_matches_triton_kernel_and_float32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SM90_CONFIGS[0], SM90_CONFIGS[-1]], ids=["exp2-fma-0of8", "exp2-fma-4of8"])
-def test_gpu_cuda_sm90_long_sequence_accumulation(config):
+def test_gpu_cuda_sm90_long_sequence_accumulation():
     """75600 keys through the CUDA kernel: the two-level accumulation keeps the error flat."""
     _skip_without_cuda_sm90()
     gen = torch.Generator(device="cuda").manual_seed(9)
     q, k, v = dit_like_qkv(gen, (1, 2, 75600, 128), torch.bfloat16, "cuda")
-    out = sage_attention_forward(q, k, v, config=config)
+    out = sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG)
     cos, rel = _subset_errors(out, q, k, v)
     assert cos >= 0.999 and rel <= 3e-2, f"cosine {cos:.5f}, rel L2 {rel:.3e}"
 
@@ -795,7 +743,7 @@ def test_gpu_cuda_sm90_op_argument_errors():
     out = torch.empty_like(q)
     op = torch.ops.omni_kernels.sage_attention_sm90
     args = [qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
-            None, qkv.seq_kv, 0.0883883, 0, out, None]
+            None, qkv.seq_kv, 0.0883883, out, None]
     bad_v = list(args)
     bad_v[5] = qkv.v_fp8.transpose(-1, -2).contiguous()
     with pytest.raises(RuntimeError, match="v_fp8 dimension 2 must be 128"):
@@ -805,13 +753,13 @@ def test_gpu_cuda_sm90_op_argument_errors():
     with pytest.raises(RuntimeError, match="seq_kv must be in"):
         op(*bad_len)
     bad_out = list(args)
-    bad_out[11] = out.float()
+    bad_out[10] = out.float()
     with pytest.raises(RuntimeError, match="out must be bfloat16 or float16"):
         op(*bad_out)
-    bad_split = list(args)
-    bad_split[10] = 1
-    with pytest.raises(RuntimeError, match="fma_exp2_eighths must be one of 0, 2, 3, 4; got 1"):
-        op(*bad_split)
+    bad_scale = list(args)
+    bad_scale[9] = 0.0
+    with pytest.raises(RuntimeError, match="scale must be positive and finite"):
+        op(*bad_scale)
 
 
 @pytest.mark.gpu

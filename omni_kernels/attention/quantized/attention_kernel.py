@@ -212,8 +212,6 @@ def _sage_fwd_kernel(
 
 
 KERNELS = ("triton", "cuda_sm90")
-#: SageConfig.fma_exp2_eighths values the CUDA kernel is built for (sage_sm90_params.h)
-FMA_EXP2_EIGHTHS = (0, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,14 +229,12 @@ class SageConfig:
     take turns on the tensor cores:
     bench/results/quantized_attention_tune-sm90-pingpong_nvidia-h200_20261130.md).
 
-    ``fma_exp2_eighths`` (cuda_sm90 only; 0, 2, 3 or 4): that many of every 8 scores get
-    their ``exp2`` from a degree-3 polynomial on the FMA pipes (relative error 7.5e-5, under
-    the e4m3 rounding of P that follows) instead of the special-function unit, which also runs
-    P's conversion to e4m3; 0, the fastest: on the H200 every share measured slower (Wan 720p,
-    kernel alone, with the since-reverted score bias: 678 TFLOP/s at 0, 549 / 609 / 619 at
-    2 / 3 / 4 eighths, bench/results/quantized_attention_tune-exp2-split_nvidia-h200_20261130.md;
-    without it: 704 at 0, 684 at 2 eighths,
-    bench/results/quantized_attention_tune-sm90-no-score-bias_nvidia-h200_20261130.md).
+    The cuda_sm90 kernel takes every ``exp2`` from the special-function unit. Moving a share to
+    a polynomial on the FMA pipes (1 to 4 of every 8 scores; the option was removed) measured
+    slower on the H200 each time (Hunyuan 720p, kernel alone: 863 TFLOP/s against 818 / 828 /
+    811 / 780 at 1 / 2 / 3 / 4 eighths,
+    bench/results/quantized_attention_sm90-scheduling-variants_nvidia-h200_20261130.md and
+    quantized_attention_tune-sm90-pingpong_nvidia-h200_20261130.md).
 
     ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
     ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
@@ -257,9 +253,6 @@ class SageConfig:
     # S's int32 accumulator starts from a float bias, so the scores reach float32 without an
     # int-to-float conversion (same values; measured slower on the H200, hence off).
     score_bias: bool = False
-    # cuda_sm90 only: this many of every 8 scores take their exp2 from a polynomial on the FMA
-    # pipes instead of the special-function unit (which also packs P to e4m3).
-    fma_exp2_eighths: int = 0
     # cuda_sm90 only: quantize Q/K/V with omni's CUDA kernels (csrc/attention/sage_quant.cu)
     # instead of the Triton ones. Off: on the H200 the Triton quantizer took 0.088 / 1.70 / 1.58
     # ms at Flux / Wan 720p / Hunyuan 720p against the CUDA one's 0.154 / 3.53 / 3.34.
@@ -268,12 +261,6 @@ class SageConfig:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"SageConfig.kernel must be one of {KERNELS}; got {self.kernel!r}")
-        if self.fma_exp2_eighths not in FMA_EXP2_EIGHTHS:
-            raise ValueError(f"SageConfig.fma_exp2_eighths must be one of {FMA_EXP2_EIGHTHS}; "
-                             f"got {self.fma_exp2_eighths!r}")
-        if self.fma_exp2_eighths and self.kernel != "cuda_sm90":
-            raise ValueError("SageConfig.fma_exp2_eighths applies to kernel='cuda_sm90' only; "
-                             f"got kernel={self.kernel!r}")
         if self.cuda_quantizer and self.kernel != "cuda_sm90":
             raise ValueError("SageConfig.cuda_quantizer applies to kernel='cuda_sm90' only (the CUDA "
                              f"quantizer writes V^T permuted for it); got kernel={self.kernel!r}")
@@ -284,7 +271,6 @@ class SageConfig:
     def describe(self) -> str:
         if self.kernel == "cuda_sm90":
             return ("cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups"
-                    + (f", exp2 of {self.fma_exp2_eighths}/8 on FMA" if self.fma_exp2_eighths else "")
                     + (", CUDA quantizer" if self.cuda_quantizer else "") + ")")
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
                 + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
@@ -448,7 +434,7 @@ def sage_attention_quantized(
         out4 = out if layout == "bhsd" else out.transpose(1, 2)  # the op takes a [B, H, S, D] view
         torch.ops.omni_kernels.sage_attention_sm90(
             qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
-            key_lengths, qkv.seq_kv, float(scale), int(cfg.fma_exp2_eighths), out4, lse,
+            key_lengths, qkv.seq_kv, float(scale), out4, lse,
         )
         return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
@@ -554,7 +540,6 @@ def sage_attention_forward(
 
 __all__ = [
     "CUDA_SM90_CONFIG",
-    "FMA_EXP2_EIGHTHS",
     "HEAD_DIMS",
     "KERNELS",
     "MIN_CAPABILITY",
