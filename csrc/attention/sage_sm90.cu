@@ -4,8 +4,8 @@
 // tile per key block that is then folded into the output accumulator (two-level accumulation:
 // the FP8 MMA's own accumulator keeps ~14 bits and never sums across blocks). The softmax's
 // row sums come from the same MMA: each V^T stage carries 8 rows of ones after its 128, so the
-// m64n136 product returns P's row sums beside P V (one FADD a score fewer; the kernel is bound
-// by instruction issue), summed over the FP8-rounded P that multiplies V. The math is
+// m64n136 product returns P's row sums beside P V (one FADD a score fewer; the softmax bounds
+// the kernel), summed over the FP8-rounded P that multiplies V. The math is
 // omni_kernels/attention/quantized/reference.py's, step for step, with row_sums="fp8".
 //
 // A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
@@ -67,6 +67,7 @@ constexpr int kRowsPerConsumer = 64;  // one warpgroup's wgmma M
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr float kShift = 8.807354922057604f;  // log2(448)
 constexpr float kLn2 = 0.6931471805599453f;
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -283,7 +284,7 @@ struct RowSoftmax {
   // Block j's probabilities into pf (the accumulator layout), its rescale factors into alpha.
   // kMasked: keys past kv_len are masked (the caller passes true for the last block alone when
   // kv_len is not a multiple of kSageBlockN: the compare-and-selects cost ~3 instructions a
-  // score, and the kernel is bound by instruction issue). s is only read here. Every exp2 is
+  // score, and the softmax bounds the kernel). s is only read here. Every exp2 is
   // ex2.approx: a share on the FMA pipes (a polynomial, 1 to 4 of every 8 scores) measured
   // slower on the H200 (bench/results/quantized_attention_sm90-scheduling-variants_*).
   template <bool kMasked>
