@@ -146,7 +146,6 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 
 // Keeps the compiler from moving or copying an accumulator register across this point (the
 // wgmma writes it asynchronously until the wait that precedes this).
@@ -253,12 +252,8 @@ __device__ __forceinline__ void store_pair<__half>(__half* dst, float a, float b
 
 // ---- the steps of one key block, for one consumer warpgroup (64 query rows)
 
-// s = Q K^T (exact int32), 4 x m64n128k32 s8. `fence` orders this thread's earlier register
-// writes (s's readers, P's fragments) before the MMAs; false where the caller has just fenced
-// for MMAs issued before these.
-__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile,
-                                         bool fence = true) {
-  if (fence) wgmma_fence();
+// s = Q K^T (exact int32), 4 x m64n128k32 s8. The caller fences first (as for issue_pv).
+__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile) {
   const uint64_t k_desc = tile_descriptor(k_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
@@ -291,11 +286,11 @@ struct RowSoftmax {
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
+    const auto masked = [&](int i) { return kMasked && 8 * (i / 4) + (i % 2) >= valid_cols; };
     int max_lo = INT32_MIN, max_hi = INT32_MIN;  // INT32_MIN stands for "masked"
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      const int v = (kMasked && 8 * (i / 4) + (i % 2) >= valid_cols) ? INT32_MIN
-                                                                    : static_cast<int>(s[i]);
+      const int v = masked(i) ? INT32_MIN : static_cast<int>(s[i]);
       if ((i / 2) % 2 == 0) {
         max_lo = max(max_lo, v);
       } else {
@@ -326,7 +321,7 @@ struct RowSoftmax {
       const float score = static_cast<float>(static_cast<int>(s[i]));  // exact: |s| < 2^22
       const float x = fmaf(score, hi ? f_hi : f_lo, -(hi ? m_hi : m_lo));
       float e = fast_exp2(x);
-      if (kMasked && 8 * (i / 4) + (i % 2) >= valid_cols) e = 0.0f;
+      if (masked(i)) e = 0.0f;
       pf[i] = e;
     }
   }
@@ -472,10 +467,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (num_n_blocks > 0) {
       mbar_wait(&smem.k_full[0], 0);
       turn_begin();
+      wgmma_fence();
       issue_qk(s, q_desc, smem.k[0]);
       wgmma_commit();
       turn_end(false);
-      wgmma_wait_all();
+      wgmma_wait<0>();
       fence_operands(s);
     }
     for (int j = 0; j < num_n_blocks; ++j) {
@@ -496,10 +492,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next_stage = has_next ? (j + 1) % kStages : stage;
       if (has_next) mbar_wait(&smem.k_full[next_stage], ((j + 1) / kStages) & 1);
       turn_begin();
-      wgmma_fence();
+      wgmma_fence();  // P's fragments and s's last readers, before both groups
       issue_pv(pv, pa, smem.v[stage]);
       wgmma_commit();
-      issue_qk(s, q_desc, smem.k[next_stage], /*fence=*/false);
+      issue_qk(s, q_desc, smem.k[next_stage]);
       wgmma_commit();
       turn_end(!has_next);
       wgmma_wait<1>();
