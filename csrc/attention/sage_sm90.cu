@@ -253,7 +253,8 @@ __device__ __forceinline__ void store_pair<__half>(__half* dst, float a, float b
 // ---- the steps of one key block, for one consumer warpgroup (64 query rows)
 
 // s = Q K^T (exact int32), 4 x m64n128k32 s8. The caller fences first (as for issue_pv).
-__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc, const uint8_t* k_tile) {
+__device__ __forceinline__ void issue_qk(uint32_t (&s)[64], uint64_t q_desc,
+                                         const uint8_t* k_tile) {
   const uint64_t k_desc = tile_descriptor(k_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, k_desc + 2 * kk, kk);
