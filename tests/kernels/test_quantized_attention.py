@@ -130,8 +130,11 @@ def test_quantize_matches_reference(inputs, dtype, layout, lengths):
         lengths = torch.tensor(lengths)
     got = quantize_qkv(q, k, v, layout=layout, block_n=16, key_lengths=lengths)
     ref = quantize_qkv_reference(q, k, v, layout=layout, block_n=16, key_lengths=lengths)
-    for name in ("q_scale", "k_scale", "k_mean", "v_scale"):
+    for name in ("q_scale", "k_scale", "v_scale"):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0)
+    # the mean's float32 sum runs in another order: a float32 sum of n terms can differ
+    # by up to n * 2^-24 * max|k| between orders
+    torch.testing.assert_close(got.k_mean, ref.k_mean, rtol=0, atol=skv * 2.0**-24 * k.float().abs().max().item())
     # the mean is summed in another order: a code may sit one step off at a tie
     assert torch.equal(got.q_int8, ref.q_int8)
     assert (got.k_int8.int() - ref.k_int8.int()).abs().max().item() <= 1

@@ -10,7 +10,7 @@ these kernels produce the same bytes. Two launches (and a memset of counters):
    ticket from a per-head counter (an acq_rel atomic); the head's last program
    adds the partials up *in chunk order* (deterministic, unlike float atomics)
    and writes ``k_mean``, ``448 / vmax`` and ``vmax / 448`` (``[3, B*Hkv, D]``).
-   The chunk length is picked so the grid has ~8 programs per SM: at Flux's
+   The chunk length is picked so the grid has ~16 programs per SM: at Flux's
    4608 tokens x 24 heads one program per 2048 tokens left 60 of 132 SMs idle
    (run 5: 0.27 ms for the quantization of a 0.7 ms call).
 2. :func:`_qkv_quant_kernel`: one 1-D grid of Q programs (``Q_BLOCK`` tokens:
@@ -45,9 +45,10 @@ from omni_kernels._triton import triton_interpreter_enabled
 from omni_kernels.attention.quantized.reference import FP8_DTYPE, V_KEY_GROUP, QuantizedQKV
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
-STATS_PROGRAMS_PER_SM = 8  # enough loads in flight to stream K/V at full bandwidth
+STATS_PROGRAMS_PER_SM = 16  # enough loads in flight to stream K/V at full bandwidth
 STATS_MIN_CHUNK = 256  # below this a program's fixed cost (ticket, partial) dominates
-STATS_BLOCK = 64  # tokens per load in the statistics loop
+STATS_BLOCK = 32  # tokens per load in the statistics loop
+STATS_WARPS = 4  # 32 x 128 float32 accumulators for K and for V: 32 registers a thread each
 Q_BLOCK = 64
 _INTERPRETER_STATS = (16, 32)  # (BLOCK_S, chunk): several chunks per head in CPU tests
 
@@ -114,16 +115,20 @@ def _kv_stats_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    vmax = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    # Element-wise accumulators, reduced over the token axis once after the loop: a
+    # reduction per iteration crosses warps (shared memory and a barrier) between loads.
+    ksum_tile = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
+    vmax_tile = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
     for s0 in range(chunk * chunk_len, tl.minimum(kv_len, chunk * chunk_len + chunk_len), BLOCK_S):
         rows = s0 + offs_s
         ok = (rows < kv_len)[:, None]
         rows64 = rows.to(tl.int64)[:, None]
         k = tl.load(k_base + rows64 * stride_kn + offs_d[None, :], mask=ok, other=0.0)
         v = tl.load(v_base + rows64 * stride_vn + offs_d[None, :], mask=ok, other=0.0)
-        ksum += tl.sum(k.to(tl.float32), 0)
-        vmax = tl.maximum(vmax, tl.max(tl.abs(v.to(tl.float32)), 0))
+        ksum_tile += k.to(tl.float32)
+        vmax_tile = tl.maximum(vmax_tile, tl.abs(v.to(tl.float32)))
+    ksum = tl.sum(ksum_tile, 0)
+    vmax = tl.max(vmax_tile, 0)
     part = PART + (bh64 * num_chunks + chunk) * (2 * HEAD_DIM)
     tl.store(part + offs_d, ksum)
     tl.store(part + HEAD_DIM + offs_d, vmax)
@@ -204,15 +209,19 @@ def _quant_kv_block(
     k8 = _round_half_away(kc * inv)
     tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
     tl.store(KS + bh64 * num_blocks + blk, tl.math.div_rn(amax, amax * 0.0 + 127.0))
-    # ---- V: per-channel FP8 scale, stored transposed [D, Skv_pad]
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows64 * stride_vn + offs_d[None, :],
-                mask=ok, other=0.0).to(tl.float32)
+    # ---- V: per-channel FP8 scale, stored transposed [D, Skv_pad]. The permutation is
+    # applied to the rows loaded, so the stores run along contiguous key columns.
+    src = rows
+    if PERMUTE_V:  # key 16a + r goes to column 16a + 4 ((r // 2) % 4) + 2 (r // 8) + r % 2,
+        # so column 16a + c holds key 16a + 8 ((c // 2) % 2) + 2 (c // 4) + c % 2
+        c = rows % 16
+        src = rows - c + 8 * ((c // 2) % 2) + 2 * (c // 4) + c % 2
+    v_ok = (src < kv_len)[:, None]
+    v = tl.load(V + b * stride_vb + h * stride_vh + src.to(tl.int64)[:, None] * stride_vn
+                + offs_d[None, :], mask=v_ok, other=0.0).to(tl.float32)
     vinv = tl.load(VINV + bh64 * HEAD_DIM + offs_d)
     v8 = fp8_convert(tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0), EMULATE_FP8)
-    cols = rows
-    if PERMUTE_V:  # key 16a + r goes to column 16a + 4 ((r // 2) % 4) + 2 (r // 8) + r % 2
-        cols = (rows // 16) * 16 + ((rows // 2) % 4) * 4 + ((rows // 8) % 2) * 2 + rows % 2
-    vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + cols[None, :]
+    vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
     tl.store(vt_ptrs, tl.trans(v8))
 
 
@@ -254,8 +263,8 @@ def stats_chunk_len(seq_k: int, num_kv_bh: int, device: torch.device) -> int:
     """Tokens per statistics program: ~``STATS_PROGRAMS_PER_SM`` programs per SM over
     all heads, at least ``STATS_MIN_CHUNK``, a multiple of ``STATS_BLOCK``.
 
-    Flux 1024^2 (4608 tokens, 24 heads) on 132 SMs: 256 tokens, 18 x 24 = 432
-    programs; Wan 720p (75600, 40): 2816 tokens, 27 x 40 = 1080 programs.
+    Flux 1024^2 (4608 tokens, 24 heads) on 132 SMs: 256 tokens (the floor), 18 x 24 =
+    432 programs; Wan 720p (75600, 40): 1440 tokens, 53 x 40 = 2120 programs.
     """
     if triton_interpreter_enabled():
         return _INTERPRETER_STATS[1]
@@ -317,7 +326,7 @@ def quantize_qkv(
             k, v, partials, tickets, stats, key_lengths if has_lengths else stats,
             skb, skh, skn, svb, svh, svn, hkv, skv, chunks, chunk, num_kv_bh,
             HEAD_DIM=d, BLOCK_S=_INTERPRETER_STATS[0] if emulate else STATS_BLOCK,
-            HAS_KEY_LENGTHS=has_lengths, num_warps=4,
+            HAS_KEY_LENGTHS=has_lengths, num_warps=STATS_WARPS,
         )
 
     q_int8 = torch.empty((batch, hq, sq, d), dtype=torch.int8, device=device)
