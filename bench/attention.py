@@ -28,7 +28,18 @@ commit, device, versions and the exact command; the markdown is printed last.
 TFLOP/s over the shapes, lossless ones only unless ``--table-include-lossy``
 (a copy goes to the out-dir too).
 
+``--lossy-sweep`` runs instead a sweep of self-attention lengths (``SWEEP_LENGTHS``
+at 24 heads x 128) for ``sdpa_cudnn`` and the lossy backends among ``--backends``,
+and reports each lossy backend's crossover: the shortest swept length from which
+it is at least ``SWEEP_MIN_GAIN`` times as fast as cuDNN at every longer length
+(quantization costs time linear in the sequence, attention quadratic, so a
+quantized kernel wins only past some length). With ``--write-auto-table`` it
+rewrites only the lossy part of this GPU's entry: those backends go first in the
+ranking, with their crossovers as ``lossy_min_seq`` (``"auto"`` with lossy
+allowed skips a backend below its crossover); the lossless ranking is kept.
+
     python3 bench/attention.py [--shapes flux sd35 ...] [--backends omni_triton sdpa_cudnn ...]
+    python3 bench/attention.py --lossy-sweep --backends sdpa_cudnn omni_sage omni_sage_sm90 --write-auto-table
 """
 
 from __future__ import annotations
@@ -92,6 +103,75 @@ DEFAULT_BACKENDS = (
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BASELINE = "sdpa_cudnn"
+
+# --lossy-sweep: self-attention lengths from below Flux's 4608 to Wan 480p's 32760, at
+# Flux's 24 heads x 128 (fewer heads than Wan's 40: fewer CTAs, a conservative crossover).
+SWEEP_LENGTHS = (2048, 4608, 7401, 9216, 12288, 16384, 24576, 32760)
+SWEEP_HEADS = 24
+SWEEP_HEAD_DIM = 128
+# A lossy backend must be this much faster than cuDNN to be worth its error.
+SWEEP_MIN_GAIN = 1.05
+
+
+def sweep_shapes() -> list[Shape]:
+    return [
+        Shape(f"self-{n}", f"crossover sweep: {n} tokens, {SWEEP_HEADS} heads x {SWEEP_HEAD_DIM}",
+              1, SWEEP_HEADS, n, n, SWEEP_HEAD_DIM)
+        for n in SWEEP_LENGTHS
+    ]
+
+
+def lossy_crossovers(shapes, rows, names, min_gain: float = SWEEP_MIN_GAIN) -> dict[str, int | None]:
+    """``{backend: crossover}``: the shortest ``min(Sq, Skv)`` among ``shapes`` from which the
+    backend's ``ratio_vs_cudnn`` is >= ``min_gain`` at every longer shape; ``None`` when it is
+    not at the longest (or did not run there)."""
+    ratio = {(r["shape"], r["backend"]): r.get("ratio_vs_cudnn") for r in rows if r.get("status") == "ok"}
+    out: dict[str, int | None] = {}
+    for name in names:
+        crossover = None
+        for shape in sorted(shapes, key=lambda s: -min(s.seq_q, s.seq_kv)):
+            x = ratio.get((shape.name, name))
+            if x is None or x < min_gain:
+                break
+            crossover = min(shape.seq_q, shape.seq_kv)
+        out[name] = crossover
+    return out
+
+
+def lossy_table_entry(env, previous: dict | None, shapes, rows, crossovers: dict[str, int | None]) -> dict:
+    """This arch's auto-table entry with its lossy part replaced by the sweep's result.
+
+    The lossless ranking and its source stay as they were; lossy backends with a crossover go
+    first (the fastest at the longest swept length first), with ``lossy_min_seq``."""
+    from omni_kernels.attention import get_backend
+
+    entry = dict(previous or {})
+
+    def lossy(name):
+        try:
+            return get_backend(name).lossy
+        except ValueError:  # a name no longer registered: keep it where it was
+            return False
+
+    longest = max(shapes, key=lambda s: min(s.seq_q, s.seq_kv)).name
+    at_longest = {r["backend"]: r.get("ratio_vs_cudnn", 0.0) for r in rows
+                  if r["shape"] == longest and r.get("status") == "ok"}
+    chosen = sorted((n for n, c in crossovers.items() if c is not None), key=lambda n: -at_longest[n])
+    entry["ranking"] = chosen + [n for n in entry.get("ranking", []) if not lossy(n)]
+    entry["lossy_listed"] = chosen
+    entry["lossy_min_seq"] = {n: crossovers[n] for n in chosen}
+    ran = {r["backend"] for r in rows if r.get("status") == "ok"}
+    not_listed = [f"{n} ({'no crossover' if n in ran else 'did not run'})"
+                  for n, c in crossovers.items() if c is None]
+    entry["lossy_source"] = (
+        f"MEASURED by bench/attention.py --lossy-sweep on {env['device']} ({env['arch']}), {env['utc']}, "
+        f"commit {env['git_commit']}, torch {env['torch']}, triton {env['packages']['triton']}, "
+        f"{env['dtype']} non-causal, {SWEEP_HEADS} heads x {SWEEP_HEAD_DIM}, Sq = Skv in "
+        f"{', '.join(str(min(s.seq_q, s.seq_kv)) for s in shapes)}; a lossy backend is listed from the "
+        f"shortest length at which it is >= {SWEEP_MIN_GAIN}x {BASELINE} at every longer one"
+        + (f"; not listed: {', '.join(not_listed)}" if not_listed else "")
+    )
+    return entry
 
 
 # --------------------------------------------------------------------------- measurement
@@ -307,7 +387,13 @@ def _table_entry(env, shapes, rows, include_lossy: bool, previous: dict | None) 
         ranking.append(name)
     ranking.append("sdpa_math")
     lossy = [n for n in ranking if get_backend(n).lossy]
-    return dict(
+    kept = {}
+    if not include_lossy and previous and previous.get("lossy_min_seq"):
+        # A lossless-only run keeps the last --lossy-sweep's result (it measured other shapes).
+        kept = {n: c for n, c in previous["lossy_min_seq"].items() if n in registered}
+        ranking = [n for n in previous.get("lossy_listed", []) if n in kept] + ranking
+        lossy = list(kept)
+    entry = dict(
         source=(
             f"MEASURED by bench/attention.py on {env['device']} ({env['arch']}), {env['utc']}, "
             f"commit {env['git_commit']}, torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
@@ -321,6 +407,40 @@ def _table_entry(env, shapes, rows, include_lossy: bool, previous: dict | None) 
         median_tflops={n: round(v, 1) for n, v in sorted(medians.items(), key=lambda kv: -kv[1])},
         lossy_listed=lossy,
     )
+    if kept:
+        entry.update(lossy_min_seq=kept, lossy_source=previous.get("lossy_source", ""))
+    return entry
+
+
+def _sweep_markdown(env, shapes, backends, rows, unavailable, crossovers, table_entry) -> str:
+    ran = [b for b in backends if b not in unavailable]
+    index = {(r["shape"], r["backend"]): r for r in rows}
+    lines = [
+        "# Lossy attention crossover sweep",
+        "",
+        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}, "
+        f"cuDNN {env['cudnn']}), triton {env['packages']['triton']}, python {env['python']}",
+        f"- git commit: {env['git_commit']}; {env['utc']}",
+        f"- command: `{env['command']}`",
+        f"- {env['dtype']}, non-causal, layout {env['layout']}, B=1, {SWEEP_HEADS} heads x {SWEEP_HEAD_DIM}, "
+        f"Sq = Skv; TFLOP/s = 4*B*H*Sq*Skv*D / median time (triton.testing.do_bench, L2 flushed); "
+        f"(x) = speed relative to {BASELINE}; quantization included; through "
+        "omni_kernels.attention.attention (dispatch included).",
+        "",
+        "| tokens | " + " | ".join(ran) + " |",
+        "| ---: | " + " | ".join("---:" for _ in ran) + " |",
+    ]
+    for s in shapes:
+        lines.append(f"| {s.seq_q} | " + " | ".join(_cell(index.get((s.name, b))) for b in ran) + " |")
+    lines += ["", f"Crossover (shortest length from which >= {SWEEP_MIN_GAIN}x {BASELINE} at every longer one):"]
+    lines += [f"- {n}: {c if c is not None else 'none in the sweep'}" for n, c in crossovers.items()]
+    if unavailable:
+        lines += ["", "## Unavailable backends", ""]
+        lines += [f"- {name}: {reason}" for name, reason in unavailable.items()]
+    if table_entry is not None:
+        lines += ["", f"auto table ({env['arch']}): " + " > ".join(table_entry["ranking"])
+                  + f"; lossy_min_seq {json.dumps(table_entry.get('lossy_min_seq', {}))}"]
+    return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -339,6 +459,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="rewrite this GPU's entry of omni_kernels/attention/auto_table.json")
     parser.add_argument("--table-include-lossy", action="store_true",
                         help="let lossy backends (sageattention) into the written ranking")
+    parser.add_argument("--lossy-sweep", action="store_true",
+                        help="sweep self-attention lengths for cuDNN and the lossy --backends and report "
+                             "each one's crossover (with --write-auto-table: write it as lossy_min_seq)")
     parser.add_argument("--auto-table-path", type=Path,
                         default=REPO_ROOT / "omni_kernels" / "attention" / "auto_table.json")
     return parser.parse_args(argv)
@@ -357,6 +480,11 @@ def main(argv=None) -> int:
         if name not in list_backends():
             print(f"unknown backend {name!r}; registered: {', '.join(list_backends())}", file=sys.stderr)
             return 2
+    lossy_names = [b for b in args.backends if get_backend(b).lossy] if args.lossy_sweep else []
+    if args.lossy_sweep and not lossy_names:
+        print("--lossy-sweep needs at least one lossy backend in --backends (e.g. omni_sage_sm90)",
+              file=sys.stderr)
+        return 2
     env = _environment()
     env.update(dtype=args.dtype, layout=args.layout)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -372,12 +500,17 @@ def main(argv=None) -> int:
         print(f"  {name}: unavailable: {reason}", file=sys.stderr)
 
     shapes = [SHAPES[s] for s in args.shapes]
+    backends = list(args.backends)
+    if args.lossy_sweep:
+        shapes = sweep_shapes()
+        backends = [BASELINE] + lossy_names
+        args.accuracy_max_scores = 0  # a timing sweep: the model-shape run reports accuracy
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
     rows = []
     for shape in shapes:
         try:
-            rows += _run_shape(shape, dtype, args.layout, args.backends, args, unavailable)
+            rows += _run_shape(shape, dtype, args.layout, backends, args, unavailable)
         except Exception as exc:
             rows.append(dict(shape=shape.name, backend="all",
                              status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
@@ -387,13 +520,18 @@ def main(argv=None) -> int:
     env["wall_s"] = round(time.perf_counter() - started, 1)
 
     table_entry = None
-    stem = f"attention_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    crossovers = lossy_crossovers(shapes, rows, lossy_names) if args.lossy_sweep else {}
+    kind = "attention-lossy-sweep" if args.lossy_sweep else "attention"
+    stem = f"{kind}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.write_auto_table:
         path = args.auto_table_path
         table = json.loads(path.read_text()) if path.exists() else {"format": 1, "archs": {}}
         previous = table.setdefault("archs", {}).get(env["arch"])
-        table_entry = _table_entry(env, shapes, rows, args.table_include_lossy, previous)
+        if args.lossy_sweep:
+            table_entry = lossy_table_entry(env, previous, shapes, rows, crossovers)
+        else:
+            table_entry = _table_entry(env, shapes, rows, args.table_include_lossy, previous)
         table["archs"][env["arch"]] = table_entry
         text = json.dumps(table, indent=2) + "\n"
         path.write_text(text)
@@ -402,9 +540,13 @@ def main(argv=None) -> int:
 
     (args.out_dir / f"{stem}.json").write_text(json.dumps(
         dict(environment=env, shapes=[dict(asdict(s), flops=s.flops) for s in shapes],
-             unavailable=unavailable, results=rows, auto_table_entry=table_entry),
+             unavailable=unavailable, results=rows, auto_table_entry=table_entry,
+             lossy_crossovers=crossovers or None),
         indent=2, default=str) + "\n")
-    md = _markdown(env, shapes, args.backends, rows, unavailable, table_entry)
+    if args.lossy_sweep:
+        md = _sweep_markdown(env, shapes, backends, rows, unavailable, crossovers, table_entry)
+    else:
+        md = _markdown(env, shapes, backends, rows, unavailable, table_entry)
     (args.out_dir / f"{stem}.md").write_text(md + "\n")
     print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
     print(md)

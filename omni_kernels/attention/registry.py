@@ -25,8 +25,13 @@ and takes the first backend that can take the call. Lossy backends (quantized
 attention such as SageAttention) are candidates only when the table lists them
 for that architecture *and* the caller allows lossy backends (``allow_lossy=True``,
 ``attention_backend(..., allow_lossy=True)`` or ``OMNI_ATTENTION_ALLOW_LOSSY=1``).
-The choice is logged (``logging.INFO``, logger ``omni_kernels.attention``) once
-per ``(arch, dtype, head_dim, features)``, never while ``torch.compile`` traces.
+A lossy backend may also carry a measured crossover (the arch entry's
+``lossy_min_seq``, written by ``bench/attention.py --lossy-sweep``): ``"auto"``
+skips it for calls with ``min(Sq, Skv)`` below it, where the lossless first
+choice was faster (quantization costs time linear in the sequence, attention
+quadratic). The choice is logged (``logging.INFO``, logger
+``omni_kernels.attention``) once per ``(arch, dtype, head_dim, features)`` (and
+sequence lengths, where a crossover applies), never while ``torch.compile`` traces.
 
 Masks: ``key_lengths`` (integer ``[B]``: keys ``j >= key_lengths[b]`` are
 ignored) is the mask form backends take natively. A boolean key-padding mask
@@ -469,6 +474,36 @@ def reload_auto_table() -> None:
     _TABLE_CACHE.clear()
 
 
+def _arch_entry(arch: str) -> dict:
+    archs = load_auto_table().get("archs", {})
+    entry = archs.get(arch)
+    if entry is None and arch.startswith("sm"):
+        entry = archs.get("cuda_default")
+    if entry is None:
+        entry = archs.get("default", {})
+    return entry
+
+
+def lossy_min_seq(arch: str) -> dict[str, int]:
+    """``{lossy backend: shortest min(Sq, Skv) at which "auto" may pick it}`` on ``arch``.
+
+    From the arch entry's ``lossy_min_seq`` in the auto table (measured by
+    ``bench/attention.py --lossy-sweep``); empty when the entry has none.
+    Raises ``ValueError`` on a malformed entry (the table is data, checked when read).
+    """
+    raw = _arch_entry(arch).get("lossy_min_seq", {})
+    if not isinstance(raw, dict):
+        raise ValueError(f"auto table: lossy_min_seq for {arch!r} must be an object; got {raw!r}")
+    out = {}
+    for name, value in raw.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"auto table: lossy_min_seq[{name!r}] for {arch!r} must be an integer >= 1; got {value!r}"
+            )
+        out[name] = value
+    return out
+
+
 def auto_ranking(arch: str, *, allow_lossy: bool = False) -> list[str]:
     """The order in which ``"auto"`` tries backends on ``arch`` (``"sm90"``, ``"cpu"``, ...).
 
@@ -478,12 +513,7 @@ def auto_ranking(arch: str, *, allow_lossy: bool = False) -> list[str]:
     it for the arch and ``allow_lossy`` is true.
     """
     _ensure_builtin_backends()
-    archs = load_auto_table().get("archs", {})
-    entry = archs.get(arch)
-    if entry is None and arch.startswith("sm"):
-        entry = archs.get("cuda_default")
-    if entry is None:
-        entry = archs.get("default", {})
+    entry = _arch_entry(arch)
     order = []
     for name in entry.get("ranking", []):
         spec = _REGISTRY.get(name)
@@ -514,13 +544,33 @@ def _ranking(arch: str, allow_lossy: bool):
     return auto_ranking(arch, allow_lossy=allow_lossy)
 
 
+@torch.compiler.assume_constant_result
+def _lossy_min_seq_while_tracing(arch: str) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(lossy_min_seq(arch).items()))
+
+
+def _lossy_thresholds(arch: str, allow_lossy: bool) -> dict[str, int]:
+    if not allow_lossy:
+        return {}
+    if torch.compiler.is_compiling():
+        return dict(_lossy_min_seq_while_tracing(arch))
+    return lossy_min_seq(arch)
+
+
 def _choose_auto(problem, q, k, v, mask, allow_lossy) -> BackendSpec:
     skipped = []
+    thresholds = _lossy_thresholds(problem.arch, allow_lossy)
+    shortest = min(problem.seq_q, problem.seq_kv)
     for name in _ranking(problem.arch, allow_lossy):
         spec = _REGISTRY[name]
+        threshold = thresholds.get(name)
+        if threshold is not None and shortest < threshold:
+            skipped.append((name, f"min(Sq, Skv)={shortest} is below its measured crossover {threshold} "
+                                  f"on {problem.arch} (auto table lossy_min_seq)"))
+            continue
         reason = spec.ineligible_reason(problem, q, k, v, mask)
         if reason is None:
-            _log_choice(problem, spec, skipped)
+            _log_choice(problem, spec, skipped, bool(thresholds))
             return spec
         skipped.append((name, reason))
     detail = "; ".join(f"{n}: {r}" for n, r in skipped)
@@ -530,10 +580,12 @@ def _choose_auto(problem, q, k, v, mask, allow_lossy) -> BackendSpec:
     )
 
 
-def _log_choice(problem: AttentionProblem, spec: BackendSpec, skipped) -> None:
+def _log_choice(problem: AttentionProblem, spec: BackendSpec, skipped, length_rule: bool = False) -> None:
     if torch.compiler.is_compiling():
         return
     key = (problem.arch, problem.dtype, problem.head_dim, problem.features())
+    if length_rule:  # the choice depends on the sequence lengths too
+        key += (problem.seq_q, problem.seq_kv)
     if key in _LOGGED_CHOICES:
         return
     _LOGGED_CHOICES.add(key)

@@ -253,6 +253,42 @@ def test_lossy_backend_needs_table_and_permission(tmp_path, monkeypatch, spies):
     assert "ANCHORS" in source or "MEASURED" in source
 
 
+def test_lossy_crossover_gates_auto_by_sequence_length(tmp_path, monkeypatch, spies, caplog):
+    """A lossy backend with a measured crossover (lossy_min_seq) is auto-chosen only when
+    min(Sq, Skv) reaches it; below, auto takes the next backend and says why; a named
+    request ignores the rule, and a malformed entry is a clear error."""
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"archs": {"cpu": {
+        "ranking": ["spy_lossy", "sdpa_math"], "lossy_min_seq": {"spy_lossy": 12}}}}))
+    monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
+    registry.reload_auto_table()
+    assert A.lossy_min_seq("cpu") == {"spy_lossy": 12}
+    short = _qkv((1, 2, 11, 16), (1, 2, 11, 16))
+    long = _qkv((1, 2, 12, 16), (1, 2, 12, 16))
+    cross = _qkv((1, 2, 40, 16), (1, 2, 8, 16))  # many queries, few keys: the keys decide
+    assert A.select_backend(*long, allow_lossy=True)[0] == "spy_lossy"
+    assert A.select_backend(*short, allow_lossy=True)[0] == "sdpa_math"
+    assert A.select_backend(*cross, allow_lossy=True)[0] == "sdpa_math"
+    assert A.select_backend(*long)[0] == "sdpa_math"  # lossy still needs permission
+    assert A.select_backend(*short, backend="spy_lossy")[0] == "spy_lossy"  # named: no rule
+    registry._LOGGED_CHOICES.clear()
+    with caplog.at_level(logging.INFO, logger="omni_kernels.attention"):
+        A.attention(*short, allow_lossy=True)
+        A.attention(*long, allow_lossy=True)
+    messages = [r.getMessage() for r in caplog.records if "chose" in r.getMessage()]
+    assert len(messages) == 2, messages  # same features, other lengths: logged again
+    assert "'sdpa_math'" in messages[0] and "below its measured crossover 12" in messages[0]
+    assert "'spy_lossy'" in messages[1]
+    for bad in (0, "4096", 2.5, True):
+        table.write_text(json.dumps({"archs": {"cpu": {
+            "ranking": ["spy_lossy", "sdpa_math"], "lossy_min_seq": {"spy_lossy": bad}}}}))
+        registry.reload_auto_table()
+        with pytest.raises(ValueError, match="lossy_min_seq"):
+            A.attention(*long, allow_lossy=True)
+    # without permission for lossy backends the rule is not even read
+    assert A.select_backend(*long)[0] == "sdpa_math"
+
+
 def test_auto_logs_choice_once(caplog):
     registry._LOGGED_CHOICES.clear()
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))

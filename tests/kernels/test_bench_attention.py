@@ -1,0 +1,121 @@
+"""bench/attention.py on the CPU: the lossy crossover sweep's arithmetic and the auto-table
+entry it writes (the timings themselves need a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_kernels.attention import registry
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+ENV = dict(device="NVIDIA H200", arch="sm90", utc="2026-12-01T00:00:00+00:00", git_commit="abc1234",
+           torch="2.11.0+cu130", cuda="13.0", cudnn=91900, python="3.12.3", packages={"triton": "3.6.0"},
+           dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # bench/ on the path, as when the script runs: it imports bench/_environment.py by that name
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("attention")
+
+
+def _rows(bench, ratios: dict[str, list[float | None]]):
+    """Rows as _run_shape returns them: ``ratios[backend][i]`` at the i-th swept length
+    (``None``: the backend could not take that length)."""
+    rows = []
+    for i, shape in enumerate(bench.sweep_shapes()):
+        rows.append(dict(shape=shape.name, backend=bench.BASELINE, status="ok", ratio_vs_cudnn=1.0))
+        for name, values in ratios.items():
+            if values[i] is None:
+                rows.append(dict(shape=shape.name, backend=name, status="ineligible: Skv % 64"))
+            else:
+                rows.append(dict(shape=shape.name, backend=name, status="ok", ratio_vs_cudnn=values[i]))
+    return rows
+
+
+def test_sweep_lengths_span_the_model_shapes(bench):
+    lengths = [s.seq_q for s in bench.sweep_shapes()]
+    assert lengths == sorted(lengths) and all(s.seq_q == s.seq_kv for s in bench.sweep_shapes())
+    assert lengths[0] < bench.SHAPES["flux"].seq_q and lengths[-1] == bench.SHAPES["wan480"].seq_q
+    assert bench.SHAPES["qwen"].seq_q in lengths
+
+
+def test_crossover_is_where_the_gain_holds_for_every_longer_length(bench):
+    n = len(bench.SWEEP_LENGTHS)
+    lengths = list(bench.SWEEP_LENGTHS)
+    rows = _rows(bench, {
+        # loses short, wins from the 5th length on, but dips below the bar at the 4th
+        "omni_sage_sm90": [0.6, 0.9, 1.2, 1.0, 1.1, 1.3, 1.4, 1.5],
+        # never reaches the bar at the longest length: no crossover
+        "omni_sage": [0.5] * (n - 1) + [1.04],
+        # cannot take some lengths: the crossover starts after the last gap
+        "sageattention": [1.5, None, 1.6, 1.6, 1.7, 1.8, 1.8, 1.9],
+    })
+    got = bench.lossy_crossovers(bench.sweep_shapes(), rows, ["omni_sage_sm90", "omni_sage", "sageattention"])
+    assert got == {"omni_sage_sm90": lengths[4], "omni_sage": None, "sageattention": lengths[2]}
+    # exactly the bar counts as a gain
+    rows = _rows(bench, {"omni_sage_sm90": [bench.SWEEP_MIN_GAIN] * n})
+    assert bench.lossy_crossovers(bench.sweep_shapes(), rows, ["omni_sage_sm90"]) == {
+        "omni_sage_sm90": lengths[0]}
+
+
+def test_lossy_entry_keeps_the_lossless_ranking_and_gates_auto(bench, tmp_path, monkeypatch):
+    import json
+
+    previous = {"source": "MEASURED earlier", "ranking": ["sageattention", "sdpa_cudnn", "omni_triton",
+                                                          "sdpa_math"],
+                "median_tflops": {"sdpa_cudnn": 576.2}, "lossy_listed": ["sageattention"]}
+    n = len(bench.SWEEP_LENGTHS)
+    rows = _rows(bench, {"omni_sage_sm90": [0.8, 0.9] + [1.4] * (n - 2), "omni_sage": [0.7] + [1.2] * (n - 1),
+                         "sageattention": [0.5] * n})
+    shapes = bench.sweep_shapes()
+    crossovers = bench.lossy_crossovers(shapes, rows, ["omni_sage_sm90", "omni_sage", "sageattention"])
+    entry = bench.lossy_table_entry(ENV, previous, shapes, rows, crossovers)
+    # the faster one at the longest length first; sageattention (no crossover) leaves the ranking
+    assert entry["ranking"] == ["omni_sage_sm90", "omni_sage", "sdpa_cudnn", "omni_triton", "sdpa_math"]
+    assert entry["lossy_listed"] == ["omni_sage_sm90", "omni_sage"]
+    assert entry["lossy_min_seq"] == {"omni_sage_sm90": bench.SWEEP_LENGTHS[2],
+                                      "omni_sage": bench.SWEEP_LENGTHS[1]}
+    assert entry["source"] == "MEASURED earlier" and entry["median_tflops"] == {"sdpa_cudnn": 576.2}
+    assert "--lossy-sweep" in entry["lossy_source"] and "sageattention (no crossover)" in entry["lossy_source"]
+    # the registry reads it back: lossy backends ranked first, each behind its crossover
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"archs": {"sm90": entry}}))
+    monkeypatch.setenv("OMNI_ATTENTION_AUTO_TABLE", str(table))
+    registry.reload_auto_table()
+    try:
+        assert registry.auto_ranking("sm90", allow_lossy=True)[:3] == ["omni_sage_sm90", "omni_sage", "sdpa_cudnn"]
+        assert registry.auto_ranking("sm90")[0] == "sdpa_cudnn"
+        assert registry.lossy_min_seq("sm90") == entry["lossy_min_seq"]
+    finally:
+        monkeypatch.delenv("OMNI_ATTENTION_AUTO_TABLE")
+        registry.reload_auto_table()
+
+
+def test_lossless_rerun_keeps_the_sweep(bench):
+    """A later lossless-only --write-auto-table run re-ranks the lossless backends and keeps
+    the sweep's lossy backends and crossovers in front."""
+    previous = {"ranking": ["omni_sage_sm90", "sdpa_cudnn", "sdpa_math"], "lossy_listed": ["omni_sage_sm90"],
+                "lossy_min_seq": {"omni_sage_sm90": 9216}, "lossy_source": "MEASURED by --lossy-sweep"}
+    shapes = [bench.SHAPES["flux"], bench.SHAPES["wan720"]]
+    rows = [dict(shape=s.name, backend=b, status="ok", tflops=t)
+            for s in shapes for b, t in (("sdpa_cudnn", 600.0), ("omni_triton", 500.0), ("omni_sage_sm90", 800.0))]
+    entry = bench._table_entry(ENV, shapes, rows, False, previous)
+    assert entry["ranking"][:3] == ["omni_sage_sm90", "sdpa_cudnn", "omni_triton"]
+    assert entry["lossy_listed"] == ["omni_sage_sm90"]
+    assert entry["lossy_min_seq"] == {"omni_sage_sm90": 9216}
+    assert entry["lossy_source"] == "MEASURED by --lossy-sweep"
+    assert "omni_sage_sm90" not in entry["median_tflops"]
+
+
+def test_sweep_refuses_without_a_lossy_backend(bench, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "gpu_refusal", lambda what: None)
+    assert bench.main(["--lossy-sweep", "--backends", "sdpa_cudnn", "sdpa_math"]) == 2
+    assert "needs at least one lossy backend" in capsys.readouterr().err
