@@ -82,7 +82,8 @@ def _denoise(pipe, steps):
 def test_steps_and_layers():
     log: list[str] = []
     pipe = _Pipe(log, steps=5)
-    policy = FullPrecisionPolicy(first_steps=1, last_steps=1, full_precision_layers=(-1,))
+    policy = FullPrecisionPolicy(quantized_backend="omni_sage", first_steps=1, last_steps=1,
+                                 full_precision_layers=(-1,))
     handle = apply_attention_policy(pipe, policy)
     _denoise(pipe, 5)
     exact = select_backend(_x(), _x(), _x(), backend="auto", allow_lossy=False)[0]
@@ -102,7 +103,8 @@ def test_pattern_layers_and_plain_model():
     log: list[str] = []
     model = _Transformer(log, blocks=3)
     assert [n for n, _ in attention_modules(model)] == [f"transformer_blocks.{i}.attn" for i in range(3)]
-    apply_attention_policy(model, FullPrecisionPolicy(full_precision_layers=("transformer_blocks.1.*",)))
+    apply_attention_policy(model, FullPrecisionPolicy(quantized_backend="omni_sage",
+                                                      full_precision_layers=("transformer_blocks.1.*",)))
     model(_x())
     assert log[0] == "omni_sage" and log[1] != "omni_sage" and log[2] == "omni_sage"
 
@@ -110,11 +112,43 @@ def test_pattern_layers_and_plain_model():
 def test_context_restored_after_an_error():
     log: list[str] = []
     model = _Transformer(log)
-    apply_attention_policy(model, FullPrecisionPolicy())
+    apply_attention_policy(model, FullPrecisionPolicy(quantized_backend="omni_sage"))
     with pytest.raises(RuntimeError, match="non-finite"):
         model(torch.full((1, 2, 16, 64), float("nan")))
     assert not log
     assert select_backend(_x(), _x(), _x())[0] != "omni_sage"
+
+
+def test_auto_default_quantizes_only_past_the_measured_crossover(tmp_path, monkeypatch):
+    """The default quantized_backend="auto": on an arch whose auto table lists no lossy
+    backend every call stays exact; where the table lists one with a crossover, calls past
+    it run the lossy backend and shorter ones the exact first choice."""
+    import json
+
+    from omni_kernels.attention import ENV_AUTO_TABLE, reload_auto_table
+
+    assert FullPrecisionPolicy().quantized_backend == "auto"
+    log: list[str] = []
+    model = _Transformer(log, blocks=2)
+    handle = apply_attention_policy(model, FullPrecisionPolicy(full_precision_layers=(-1,)))
+    model(_x())
+    assert "omni_sage" not in log  # the shipped table lists no lossy backend for the CPU
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"archs": {"cpu": {
+        "ranking": ["omni_sage", "sdpa_math"], "lossy_min_seq": {"omni_sage": 16}}}}))
+    monkeypatch.setenv(ENV_AUTO_TABLE, str(table))
+    reload_auto_table()
+    try:
+        log.clear()
+        model(_x())  # 16 tokens: at the crossover
+        assert log == ["omni_sage", "sdpa_math"]  # the last block is kept exact
+        log.clear()
+        model(torch.randn(1, 2, 15, 64))  # below it
+        assert log == ["sdpa_math", "sdpa_math"]
+    finally:
+        handle.remove()
+        monkeypatch.delenv(ENV_AUTO_TABLE)
+        reload_auto_table()
 
 
 def test_bad_policies():

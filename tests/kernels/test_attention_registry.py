@@ -247,7 +247,11 @@ def test_lossy_backend_needs_table_and_permission(tmp_path, monkeypatch, spies):
         listed = archs.get(arch, archs["cuda_default"])["ranking"]
         assert "sageattention" not in A.auto_ranking(arch)
         assert ("sageattention" in A.auto_ranking(arch, allow_lossy=True)) == ("sageattention" in listed)
-    assert A.auto_ranking("sm90")[0] == archs["sm90"]["ranking"][0]
+    lossless_first = next(n for n in archs["sm90"]["ranking"] if not A.get_backend(n).lossy)
+    assert A.auto_ranking("sm90")[0] == lossless_first
+    # sm90's lossy backends carry their measured crossovers, each a listed lossy backend
+    for name, length in A.lossy_min_seq("sm90").items():
+        assert name in archs["sm90"]["lossy_listed"] and A.get_backend(name).lossy and length > 1
     assert A.auto_ranking("cpu")[:2] == ["sdpa_math", "omni_triton"]
     source = A.load_auto_table()["archs"]["sm90"]["source"]
     assert "ANCHORS" in source or "MEASURED" in source
