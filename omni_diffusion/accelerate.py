@@ -269,6 +269,13 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
 
         warmup = 1 if config.cache.warmup_steps is None else config.cache.warmup_steps
         state.undos.append(("cache-dit", cache_dit.enable(pipe, config.cache, adapter.cfg.mode, warmup)))
+    if config.attention_policy is not None:
+        from omni_diffusion.attention_policy import apply_attention_policy
+
+        scheduler = None if isinstance(pipe, nn.Module) else getattr(pipe, "scheduler", None)
+        for name, transformer in state.transformers.items():
+            handle = apply_attention_policy(transformer, config.attention_policy, scheduler=scheduler)
+            state.undos.append((f"{name} attention policy", handle.remove))
     if runtime is not None:  # sequence-parallel attention wraps the backend installed above
         backend = None if config.attention in (None, ATTENTION_AUTO) else config.attention
         state.undos.append(("parallel", runtime.install(backend)))

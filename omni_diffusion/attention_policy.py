@@ -93,6 +93,32 @@ class FullPrecisionPolicy:
                     f"(fnmatch patterns on module names); got {layer!r}"
                 )
 
+    @classmethod
+    def from_dict(cls, data: Any) -> FullPrecisionPolicy:
+        """From a mapping of field names (``full_precision_layers`` a list); unknown keys raise
+        ``ValueError`` listing the fields."""
+        if not isinstance(data, dict):
+            raise ValueError(f"FullPrecisionPolicy.from_dict needs a dict; got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(
+                f"FullPrecisionPolicy: unknown field(s) {', '.join(map(repr, unknown))}; fields: {', '.join(names)}"
+            )
+        fields = dict(data)
+        layers = fields.get("full_precision_layers")
+        if isinstance(layers, list):
+            fields["full_precision_layers"] = tuple(layers)
+        elif isinstance(layers, (str, int)):
+            fields["full_precision_layers"] = (layers,)
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict that :meth:`from_dict` reads back."""
+        out = dataclasses.asdict(self)
+        out["full_precision_layers"] = list(self.full_precision_layers)
+        return out
+
     def full_precision_step(self, step_index: int, num_steps: int) -> bool:
         """Whether denoising step ``step_index`` (0-based, of ``num_steps``) runs fully exact."""
         return step_index < self.first_steps or step_index >= num_steps - self.last_steps

@@ -202,6 +202,14 @@ class AccelConfig:
             its fields): split each generation over the ranks of a
             ``torch.distributed`` job (torchrun); see :mod:`omni_diffusion.parallel`.
             Sequence parallelism does not combine with ``cache``.
+        attention_policy: None, or an
+            :class:`omni_diffusion.attention_policy.FullPrecisionPolicy` (or a dict of
+            its fields, ``{}`` for its defaults): let the attention calls run a lossy
+            (quantized) backend, by default only where the GPU's auto table measured one
+            faster (on the H200: ``omni_sage_sm90`` from 7401 tokens), keeping the
+            policy's layers and first/last denoising steps exact. Needs
+            ``attention="auto"``; not with ``compile`` (the compiled blocks would keep
+            the backend chosen when they were traced) or sequence parallelism.
     """
 
     attention: str | None = ATTENTION_AUTO
@@ -220,6 +228,7 @@ class AccelConfig:
     prompt_encoder: Any = None
     prompt_enhancer: Any = None
     parallel: Any = None
+    attention_policy: Any = None
 
     def __post_init__(self) -> None:
         name = "AccelConfig"
@@ -298,6 +307,26 @@ class AccelConfig:
                            "None with sequence parallelism (ulysses/ring > 1): each rank sees "
                            "part of the tokens, so cache decisions would differ between ranks")
             object.__setattr__(self, "parallel", parallel if parallel.enabled else None)
+        if self.attention_policy is not None:
+            from omni_diffusion.attention_policy import FullPrecisionPolicy
+
+            policy = self.attention_policy
+            if isinstance(policy, Mapping):
+                policy = FullPrecisionPolicy.from_dict(dict(policy))
+            if not isinstance(policy, FullPrecisionPolicy):
+                raise _bad(name, "attention_policy", self.attention_policy,
+                           "None, a FullPrecisionPolicy or a dict of its fields")
+            if self.attention != ATTENTION_AUTO:
+                raise _bad(name, "attention", self.attention,
+                           "'auto' with attention_policy (the policy steers omni's per-call choice)")
+            if self.compile:
+                raise _bad(name, "compile", self.compile,
+                           "False with attention_policy (compiled blocks keep the attention backend "
+                           "chosen when they were traced)")
+            if self.parallel is not None and self.parallel.sequence_degree > 1:
+                raise _bad(name, "attention_policy", policy.to_dict(),
+                           "None with sequence parallelism (ulysses/ring > 1)")
+            object.__setattr__(self, "attention_policy", policy)
         if not isinstance(self.cuda_graphs, bool):
             raise _bad(name, "cuda_graphs", self.cuda_graphs, "True or False")
         if self.fused_norm_rope is not None and not isinstance(self.fused_norm_rope, bool):
@@ -323,7 +352,8 @@ class AccelConfig:
             from omni_kernels.attention import get_backend
 
             lossy_attention = get_backend(self.attention).lossy
-        return self.quant is None and self.cache is None and not lossy_attention
+        return (self.quant is None and self.cache is None and not lossy_attention
+                and self.attention_policy is None)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AccelConfig:
@@ -344,7 +374,7 @@ class AccelConfig:
         out["quant_skip"] = list(self.quant_skip)
         out["quant_options"] = dict(self.quant_options)
         out["cache"] = None if self.cache is None else self.cache.to_dict()
-        for field in ("prompt_encoder", "prompt_enhancer", "parallel"):
+        for field in ("prompt_encoder", "prompt_enhancer", "parallel", "attention_policy"):
             value = getattr(self, field)
             out[field] = None if value is None else value.to_dict()
         return out
@@ -382,6 +412,20 @@ def _on_off_auto(value: str) -> bool | None:
     raise argparse.ArgumentTypeError(f"expected auto, on or off; got {value!r}")
 
 
+def _attention_policy(value: str) -> dict | None:
+    if value.lower() in ("none", "off", ""):
+        return None
+    if value.lower() in ("auto", "on", "default"):
+        return {}
+    try:
+        policy = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected none, auto or a JSON object; got {value!r} ({exc})") from None
+    if not isinstance(policy, dict):
+        raise argparse.ArgumentTypeError(f"expected none, auto or a JSON object; got {value!r}")
+    return policy
+
+
 def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the acceleration flags (an ``omni acceleration`` group) to ``parser``.
 
@@ -413,6 +457,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--fused-norm-rope", type=_on_off_auto, default=None, metavar="auto|on|off",
                    help="QK RMSNorm + rotary embedding as one omni kernel (auto: on for families "
                         "with one, on CUDA)")
+    g.add_argument("--attention-policy", default=None, type=_attention_policy, metavar="auto|JSON",
+                   help="let attention run a quantized backend where the GPU's auto table measured "
+                        "one faster: 'auto', or a JSON object of FullPrecisionPolicy fields keeping "
+                        "layers/steps exact, e.g. '{\"first_steps\": 2, \"full_precision_layers\": [0, -1]}'")
     g.add_argument("--prompt-encoder", default=None, type=_none_or, metavar="auto|FOLDER",
                    help="run the pipeline's LLM text encoder in vLLM: 'auto' exports the "
                         "pipeline's own, or a folder written by omni_diffusion.ar.export")
@@ -473,6 +521,7 @@ def from_cli_args(args: argparse.Namespace) -> AccelConfig:
         compile_fullgraph=args.compile_fullgraph,
         cuda_graphs=bool(args.cuda_graphs),
         fused_norm_rope=getattr(args, "fused_norm_rope", None),
+        attention_policy=getattr(args, "attention_policy", None),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -38,6 +39,10 @@ def test_defaults():
     (dict(quant_skip=("x",)), "quant_skip", "only with quant"),
     (dict(quant="int8", quant_skip="x_embedder"), None, None),  # a single string is one pattern
     (dict(quant="int8", quant_min_features=-1), "quant_min_features", "integer >= 0"),
+    (dict(attention_policy="yes"), "attention_policy", "FullPrecisionPolicy"),
+    (dict(attention="sdpa_math", attention_policy={}), "attention", "'auto' with attention_policy"),
+    (dict(attention_policy={}, compile=True), "compile", "False with attention_policy"),
+    (dict(attention_policy={}, parallel={"ulysses": 2}), "attention_policy", "sequence parallelism"),
 ])
 def test_accel_config_validation(kwargs, field, allowed):
     if field is None:
@@ -103,6 +108,21 @@ def test_dict_round_trip():
         AccelConfig.from_dict(["attention"])
 
 
+def test_attention_policy_field():
+    from omni_diffusion.attention_policy import FullPrecisionPolicy
+
+    config = AccelConfig(attention_policy={"first_steps": 2, "full_precision_layers": [0, "blocks.3.*"]})
+    assert config.attention_policy == FullPrecisionPolicy(first_steps=2, full_precision_layers=(0, "blocks.3.*"))
+    assert not config.lossless and AccelConfig(attention_policy={}).attention_policy == FullPrecisionPolicy()
+    data = config.to_dict()
+    assert data["attention_policy"]["full_precision_layers"] == [0, "blocks.3.*"]
+    assert AccelConfig.from_dict(json.loads(json.dumps(data))) == config
+    with pytest.raises(ValueError, match="FullPrecisionPolicy: unknown field.*'first_step'"):
+        AccelConfig(attention_policy={"first_step": 2})
+    with pytest.raises(ValueError, match="first_steps must be an integer"):
+        AccelConfig(attention_policy={"first_steps": -1})
+
+
 def _parse(argv):
     parser = add_cli_arguments(argparse.ArgumentParser())
     return from_cli_args(parser.parse_args(argv))
@@ -127,6 +147,13 @@ def test_cli_flags():
         _parse(["--quant", "nf4"])
     with pytest.raises(ValueError, match="cuda_graphs"):
         _parse(["--cuda-graphs"])
+    assert _parse(["--attention-policy", "auto"]).attention_policy is not None
+    assert _parse(["--attention-policy", "none"]).attention_policy is None
+    policy = _parse(["--attention-policy", '{"last_steps": 1, "full_precision_layers": [-1]}']).attention_policy
+    assert policy.last_steps == 1 and policy.full_precision_layers == (-1,)
+    for bad in ("{first_steps: 1}", "[1]"):
+        with pytest.raises(SystemExit):
+            _parse(["--attention-policy", bad])
 
 
 # --------------------------------------------------------------------------- adapters

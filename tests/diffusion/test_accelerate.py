@@ -355,6 +355,61 @@ def test_fullgraph_aot_eager_with_omni_attention_and_cache(flux):
     torch._dynamo.reset()
 
 
+def test_attention_policy_steers_lossy_calls(flux, tmp_path, monkeypatch):
+    """AccelConfig.attention_policy: the calls past the auto table's crossover run the lossy
+    backend it lists, except the policy's first steps and layers; undo removes the policy."""
+    import json
+
+    import omni_kernels.attention as A
+
+    calls = []
+
+    def exact_spy(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
+        calls.append(q.shape[2])  # a lossy backend in the registry's eyes, SDPA's math in fact
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    A.register_backend(A.BackendSpec(name="spy_quantized", run=exact_spy, devices=("cpu",),
+                                     dtypes=(torch.float32,), lossy=True, causal=False))
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"archs": {"cpu": {"ranking": ["spy_quantized", "sdpa_math"],
+                                                   "lossy_min_seq": {"spy_quantized": 1}}}}))
+    monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
+    A.reload_auto_table()
+    try:
+        reference = flux.run()
+        od.accelerate(flux.pipe, od.AccelConfig(attention_policy={}))
+        out = flux.run()
+        everything = len(calls)
+        assert everything % STEPS == 0 and everything > 0 and rel(out, reference) < 1e-5
+        per_step = everything // STEPS
+        calls.clear()
+        od.accelerate(flux.pipe, od.AccelConfig(attention_policy={"first_steps": 1, "last_steps": 1}))
+        flux.run()
+        assert len(calls) == per_step * (STEPS - 2)
+        calls.clear()
+        od.accelerate(flux.pipe, od.AccelConfig(attention_policy={"full_precision_layers": [-1]}))
+        flux.run()
+        from omni_diffusion.attention_policy import attention_modules
+
+        modules = len(attention_modules(flux.pipe.transformer))  # each runs once a transformer call
+        assert len(calls) == everything * (modules - 1) // modules  # the last one stays exact
+        od.undo(flux.pipe)
+        calls.clear()
+        assert torch.equal(flux.run(), reference) and not calls
+        # past the crossover only: raise it above the tiny model's token count
+        table.write_text(json.dumps({"archs": {"cpu": {"ranking": ["spy_quantized", "sdpa_math"],
+                                                       "lossy_min_seq": {"spy_quantized": 10 ** 6}}}}))
+        A.reload_auto_table()
+        od.accelerate(flux.pipe, od.AccelConfig(attention_policy={}))
+        flux.run()
+        assert not calls
+    finally:
+        od.undo(flux.pipe)
+        A.unregister_backend("spy_quantized")
+        monkeypatch.delenv(A.ENV_AUTO_TABLE)
+        A.reload_auto_table()
+
+
 def test_bad_configs_raise(flux, monkeypatch):
     import diffusers
 
