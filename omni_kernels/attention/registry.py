@@ -394,15 +394,24 @@ def attention_backend(name: str = AUTO, *, allow_lossy: bool | None = None) -> I
 
     Thread- and task-local (a ``ContextVar``); nests (the innermost wins) and
     restores the previous choice on exit. ``allow_lossy`` applies to ``"auto"``
-    inside the block. Unknown names raise ``ValueError`` on entry.
+    inside the block. Unknown names raise ``ValueError`` on entry. Code compiled
+    by ``torch.compile`` keeps the choice in effect when it was traced: a
+    different context entered after a trace logs a warning (once per choice).
     """
     _ensure_builtin_backends()
     key = _normalize_name(name, "attention_backend()")
+    _warn_if_traced_under_another((key, allow_lossy))
     token = _CONTEXT.set((key, allow_lossy))
     try:
         yield
     finally:
         _CONTEXT.reset(token)
+
+
+# The attention_backend() choices (None: no context) that compiled graphs were traced under,
+# and the later contexts already warned about.
+_TRACED_CHOICES: set = set()
+_WARNED_CHOICES: set = set()
 
 
 @torch._dynamo.assume_constant_result
@@ -413,7 +422,27 @@ def _context_choice() -> tuple[str, bool | None] | None:
     cannot trace ``ContextVar.get``): a compiled region keeps the backend that
     was in effect then. Eager calls read it on every call.
     """
-    return _CONTEXT.get()
+    choice = _CONTEXT.get()
+    if torch.compiler.is_compiling():  # runs as plain Python while Dynamo traces
+        _TRACED_CHOICES.add(choice)
+    return choice
+
+
+def _warn_if_traced_under_another(choice: tuple[str, bool | None]) -> None:
+    """Warn once per choice when compiled attention was traced under other contexts only:
+    the compiled code will not see this one."""
+    if not _TRACED_CHOICES or choice in _TRACED_CHOICES or choice in _WARNED_CHOICES:
+        return
+    if torch.compiler.is_compiling():
+        return
+    _WARNED_CHOICES.add(choice)
+    traced = ", ".join("no context" if c is None else f"attention_backend({c[0]!r}, allow_lossy={c[1]!r})"
+                       for c in sorted(_TRACED_CHOICES, key=str))
+    logger.warning(
+        "attention_backend(%r, allow_lossy=%r): torch.compile traced omni attention under %s; "
+        "compiled code keeps the backend chosen then, so this context reaches eager calls only "
+        "(torch._dynamo.reset() and a new trace would take it)", choice[0], choice[1], traced,
+    )
 
 
 def _env_flag(name: str) -> bool:

@@ -43,6 +43,8 @@ def _clean_selection_state(monkeypatch):
     registry.reload_auto_table()
     yield
     registry.reload_auto_table()
+    registry._TRACED_CHOICES.clear()
+    registry._WARNED_CHOICES.clear()
 
 
 def _qkv(shape_q, shape_kv, dtype=torch.float32, device="cpu", seed=0):
@@ -291,6 +293,30 @@ def test_lossy_crossover_gates_auto_by_sequence_length(tmp_path, monkeypatch, sp
             A.attention(*long, allow_lossy=True)
     # without permission for lossy backends the rule is not even read
     assert A.select_backend(*long)[0] == "sdpa_math"
+
+
+def test_context_entered_after_a_compile_warns_once(caplog):
+    """Compiled attention keeps the attention_backend() choice it was traced under; a later,
+    different context says so (once), the traced one stays silent."""
+    torch._dynamo.reset()
+    registry._TRACED_CHOICES.clear()
+    registry._WARNED_CHOICES.clear()
+    q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))
+    compiled = torch.compile(lambda q, k, v: A.attention(q, k, v), backend="eager", fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="omni_kernels.attention"):
+        with A.attention_backend("sdpa_math"):  # nothing traced yet: silent
+            out = compiled(q, k, v)
+        with A.attention_backend("sdpa_math"):  # the traced choice: silent
+            pass
+        with A.attention_backend("auto", allow_lossy=True):
+            assert torch.equal(compiled(q, k, v), out)  # still the traced backend
+        with A.attention_backend("auto", allow_lossy=True):  # warned already
+            pass
+    messages = [r.getMessage() for r in caplog.records if "torch.compile traced" in r.getMessage()]
+    assert len(messages) == 1, messages
+    assert "attention_backend('auto', allow_lossy=True)" in messages[0]
+    assert "under attention_backend('sdpa_math', allow_lossy=None)" in messages[0]
+    torch._dynamo.reset()
 
 
 def test_auto_logs_choice_once(caplog):
