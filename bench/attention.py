@@ -312,15 +312,21 @@ def _cell(row) -> str:
     return f"{row['tflops']:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
+def _provenance_lines(env) -> list[str]:
+    return [
+        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}, "
+        f"cuDNN {env['cudnn']}), triton {env['packages']['triton']}, python {env['python']}",
+        f"- git commit: {env['git_commit']}; {env['utc']}",
+        f"- command: `{env['command']}`",
+    ]
+
+
 def _markdown(env, shapes, backends, rows, unavailable, table_entry) -> str:
     ran = [b for b in backends if b not in unavailable]
     lines = [
         "# Attention backends",
         "",
-        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}, "
-        f"cuDNN {env['cudnn']}), triton {env['packages']['triton']}, python {env['python']}",
-        f"- git commit: {env['git_commit']}; {env['utc']}",
-        f"- command: `{env['command']}`",
+        *_provenance_lines(env),
         f"- {env['dtype']}, non-causal, layout {env['layout']}; TFLOP/s = 4*B*H*Sq*Skv*D / median "
         f"time (triton.testing.do_bench, L2 flushed); (x) = speed relative to {BASELINE}; "
         "through omni_kernels.attention.attention (dispatch included).",
@@ -418,10 +424,7 @@ def _sweep_markdown(env, shapes, backends, rows, unavailable, crossovers, table_
     lines = [
         "# Lossy attention crossover sweep",
         "",
-        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}, "
-        f"cuDNN {env['cudnn']}), triton {env['packages']['triton']}, python {env['python']}",
-        f"- git commit: {env['git_commit']}; {env['utc']}",
-        f"- command: `{env['command']}`",
+        *_provenance_lines(env),
         f"- {env['dtype']}, non-causal, layout {env['layout']}, B=1, {SWEEP_HEADS} heads x {SWEEP_HEAD_DIM}, "
         f"Sq = Skv; TFLOP/s = 4*B*H*Sq*Skv*D / median time (triton.testing.do_bench, L2 flushed); "
         f"(x) = speed relative to {BASELINE}; quantization included; through "

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from omni_diffusion.config import _known_fields
 from omni_kernels.attention import attention_backend, get_backend
 
 
@@ -73,8 +74,8 @@ class FullPrecisionPolicy:
         if self.quantized_backend != "auto" and not get_backend(self.quantized_backend).lossy:
             # (get_backend raises ValueError listing the names for an unknown one)
             raise ValueError(
-                f"quantized_backend={self.quantized_backend!r} is lossless; the policy is for a "
-                "lossy backend (omni_sage, sageattention)"
+                f"quantized_backend={self.quantized_backend!r} is lossless; the policy is for "
+                "'auto' or a lossy backend (omni_sage_sm90, omni_sage, sageattention)"
             )
         if self.full_precision_backend != "auto" and get_backend(self.full_precision_backend).lossy:
             raise ValueError(
@@ -99,13 +100,7 @@ class FullPrecisionPolicy:
         ``ValueError`` listing the fields."""
         if not isinstance(data, dict):
             raise ValueError(f"FullPrecisionPolicy.from_dict needs a dict; got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ValueError(
-                f"FullPrecisionPolicy: unknown field(s) {', '.join(map(repr, unknown))}; fields: {', '.join(names)}"
-            )
-        fields = dict(data)
+        fields = _known_fields(cls, data)
         layers = fields.get("full_precision_layers")
         if isinstance(layers, list):
             fields["full_precision_layers"] = tuple(layers)

@@ -476,6 +476,7 @@ def resolve_backend_request(
 # --------------------------------------------------------------------------- auto table
 
 _TABLE_CACHE: dict[str, dict] = {}
+_MIN_SEQ_CACHE: dict[tuple[str, str], dict[str, int]] = {}  # (table path, arch): lossy_min_seq
 
 
 def auto_table_path() -> Path:
@@ -501,6 +502,7 @@ def load_auto_table(path: str | Path | None = None) -> dict:
 def reload_auto_table() -> None:
     """Forget the cached table (after ``bench/attention.py --write-auto-table``)."""
     _TABLE_CACHE.clear()
+    _MIN_SEQ_CACHE.clear()
 
 
 def _arch_entry(arch: str) -> dict:
@@ -520,6 +522,10 @@ def lossy_min_seq(arch: str) -> dict[str, int]:
     ``bench/attention.py --lossy-sweep``); empty when the entry has none.
     Raises ``ValueError`` on a malformed entry (the table is data, checked when read).
     """
+    key = (str(auto_table_path()), arch)
+    cached = _MIN_SEQ_CACHE.get(key)
+    if cached is not None:
+        return cached
     raw = _arch_entry(arch).get("lossy_min_seq", {})
     if not isinstance(raw, dict):
         raise ValueError(f"auto table: lossy_min_seq for {arch!r} must be an object; got {raw!r}")
@@ -530,6 +536,7 @@ def lossy_min_seq(arch: str) -> dict[str, int]:
                 f"auto table: lossy_min_seq[{name!r}] for {arch!r} must be an integer >= 1; got {value!r}"
             )
         out[name] = value
+    _MIN_SEQ_CACHE[key] = out  # read on every eager "auto" call with lossy allowed
     return out
 
 
