@@ -50,6 +50,7 @@ STATS_MIN_CHUNK = 256  # below this a program's fixed cost (ticket, partial) dom
 STATS_BLOCK = 32  # tokens per load in the statistics loop
 STATS_WARPS = 4  # 32 x 128 float32 accumulators for K and for V: 32 registers a thread each
 Q_BLOCK = 64
+CODES_WARPS = 8  # warps of the codes launch at key blocks of 128 (4 below)
 _INTERPRETER_STATS = (16, 32)  # (BLOCK_S, chunk): several chunks per head in CPU tests
 
 
@@ -347,7 +348,7 @@ def quantize_qkv(
             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
             hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk, num_kv_bh,
             HEAD_DIM=d, Q_BLOCK=q_block, BLOCK_N=block_n, EMULATE_FP8=emulate,
-            HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, num_warps=8 if block_n >= 128 else 4,
+            HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, num_warps=CODES_WARPS if block_n >= 128 else 4,
         )
     k_mean = stats[0].view(batch, hkv, d)
     v_scale = stats[2].view(batch, hkv, d)
