@@ -75,14 +75,16 @@ std::vector<std::string> fp8_gemm_cublaslt_plans();
 // quantized inputs of omni_kernels.attention.quantized (INT8 Q and smoothed K, FP8 V^T with its
 // keys permuted in groups of 16), head_dim 128. Writes out [B, Hq, Sq, 128] (a view with any
 // even strides, unit last) and, if given, lse [B, Hq, Sq] float32 (natural log, K's mean added
-// back). Keys >= key_lengths[b] (int32 [B], optional) and >= seq_kv are masked.
+// back). Keys >= key_lengths[b] (int32 [B], optional) and >= seq_kv are masked. kv_splits: the
+// last wave's query blocks are cut into kv_splits key ranges (1: never, 2..8: forced, 0: the
+// plan of attention/sage_sm90_params.h, sage_split_plan), merged in the kernel.
 void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_scale,
                          const torch::Tensor& q_kmean, const torch::Tensor& k_int8,
                          const torch::Tensor& k_scale, const torch::Tensor& v_fp8,
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out,
-                         const std::optional<torch::Tensor>& lse);
+                         const std::optional<torch::Tensor>& lse, int64_t kv_splits);
 
 // Q/K/V quantization for sage_attention_sm90 (csrc/attention/sage_quant.cu): q [B, Hq, Sq, 128],
 // k/v [B, Hkv, Skv, 128] (bshd: [B, S, H, 128]) fp16/bf16 read through strides. Returns

@@ -49,7 +49,7 @@ TORCH_LIBRARY(omni_kernels, ops) {
   ops.def(
       "sage_attention_sm90(Tensor q_int8, Tensor q_scale, Tensor q_kmean, Tensor k_int8, "
       "Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? key_lengths, int seq_kv, "
-      "float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+      "float scale, Tensor(a!) out, Tensor(b!)? lse, int kv_splits=0) -> ()");
   ops.impl("sage_attention_sm90", torch::kCUDA, &sage_attention_sm90);
   // Its inputs' quantization (INT8 Q, smoothed INT8 K, FP8 V^T) in CUDA: two launches, one call.
   ops.def(

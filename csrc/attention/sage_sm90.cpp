@@ -45,7 +45,7 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out,
-                         const std::optional<torch::Tensor>& lse) {
+                         const std::optional<torch::Tensor>& lse, int64_t kv_splits) {
   TORCH_CHECK(q_int8.is_cuda(), kOp, ": q_int8 must be a CUDA tensor");
   TORCH_CHECK(q_int8.dim() == 4 && k_int8.dim() == 4, kOp,
               ": q_int8 and k_int8 must be 4-D [B, H, S, 128]; got ", q_int8.dim(), "-D and ",
@@ -93,6 +93,9 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
               out.stride(3), ")");
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0, kOp, ": scale must be positive and finite; ",
               "got ", scale);
+  TORCH_CHECK(kv_splits >= 0 && kv_splits <= omni::attention::kSageMaxSplits, kOp,
+              ": kv_splits must be 0 (auto: split the last wave's key ranges where it pays), 1 ",
+              "(never) or up to ", omni::attention::kSageMaxSplits, "; got ", kv_splits);
   // TMA coordinates and the 1-D grid are 32-bit.
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
   const int64_t m_blocks = (seq_q + 127) / 128;
@@ -128,6 +131,20 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
   p.shape = omni::attention::make_sage_shape(batch, heads, kv_heads, seq_q, seq_kv, seq_kv_pad);
   p.scale = static_cast<float>(scale);
   p.qk_scale = static_cast<float>(scale * 1.4426950408889634);
+  // The last wave's split: its partials and counters (zeroed) for this call.
+  const auto plan = omni::attention::sage_split_plan(
+      m_blocks * batch * heads, seq_kv_pad / kSageBlockN, props->multiProcessorCount, kv_splits);
+  p.split_first = plan.split_first;
+  p.splits = plan.splits;
+  torch::Tensor partials, counters;
+  if (plan.splits > 1) {
+    const int64_t split_blocks = m_blocks * batch * heads - plan.split_first;
+    partials = torch::empty({split_blocks * plan.splits * 128 * omni::attention::kSagePartialStride},
+                            q_int8.options().dtype(torch::kFloat));
+    counters = torch::zeros({split_blocks}, q_int8.options().dtype(torch::kInt));
+    p.partials = partials.data_ptr<float>();
+    p.counters = counters.data_ptr<int32_t>();
+  }
   const auto kind = out_dtype == torch::kBFloat16 ? omni::attention::SageOutKind::kBFloat16
                                                   : omni::attention::SageOutKind::kFloat16;
   const cudaError_t err =

@@ -59,6 +59,7 @@ struct SharedStorage {
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
   uint64_t kv_empty[kStages];
+  int split_last;  // a split part: whether this CTA finished last (it merges the others)
 };
 
 #ifdef OMNI_SAGE_SM90_DEVICE
@@ -363,14 +364,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
 
   const int num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
-  const int m_block = blockIdx.x % num_m_blocks;  // query blocks of a head adjacent: K/V via L2
-  const int bh = blockIdx.x / num_m_blocks;
+  // CTAs past split_first take one of `splits` key ranges of a query block (the last wave's
+  // split, see sage_split_plan); the parts of a block are adjacent, so they run together.
+  const bool split = static_cast<int>(blockIdx.x) >= p.split_first;
+  const int split_index = split ? static_cast<int>(blockIdx.x) - p.split_first : 0;
+  const int parts = split ? p.splits : 1;
+  const int part = split_index % parts;
+  const int block = split ? p.split_first + split_index / parts : static_cast<int>(blockIdx.x);
+  const int m_block = block % num_m_blocks;  // query blocks of a head adjacent: K/V via L2
+  const int bh = block / num_m_blocks;
   const int b = bh / p.shape.heads;
   const int h = bh % p.shape.heads;
   const int kv_bh = b * p.shape.kv_heads + h / (p.shape.heads / p.shape.kv_heads);
   int kv_len = p.shape.seq_kv;
   if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.shape.seq_kv);
-  const int num_n_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
+  const int kv_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
+  // this CTA's key blocks: [j_begin, j_begin + num_n_blocks) (a split part may get none)
+  const int part_blocks = (kv_blocks + parts - 1) / parts;
+  const int j_begin = min(part * part_blocks, kv_blocks);
+  const int num_n_blocks = min(kv_blocks - j_begin, part_blocks);
   const int warpgroup = threadIdx.x / 128;
 
   // The ones rows after every V^T stage's tile, written once (TMA never touches them). The proxy
@@ -409,9 +421,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int stage = j % kStages;
         if (j >= kStages) mbar_wait<true>(&smem.kv_empty[stage], ((j / kStages) - 1) & 1);
         mbar_expect_tx(&smem.k_full[stage], kTileBytes);
-        tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + j * kSageBlockN);
+        const int key0 = (j_begin + j) * kSageBlockN;
+        tma_load_2d(smem.k[stage], &k_map, &smem.k_full[stage], 0, k_row0 + key0);
         mbar_expect_tx(&smem.v_full[stage], kTileBytes);
-        tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], j * kSageBlockN, v_row0);
+        tma_load_2d(smem.v[stage], &v_map, &smem.v_full[stage], key0, v_row0);
       }
       // Stay until the consumers have released the last stages: a consumer that never gets its
       // data then shows as this wait's trap (theirs do not trap) instead of a hung GPU.
@@ -434,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float q_scale_lo = row_lo < p.shape.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
     const float q_scale_hi = row_hi < p.shape.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
     const float* k_scale =
-        p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN);
+        p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN) + j_begin;
 
     RowSoftmax rows{q_scale_lo, q_scale_hi};
     float o[68];  // P V and, in o[64..67], the row sums
@@ -455,6 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // computing softmax at once with the tensor cores idle. Consumer 0 goes first. Every turn
     // is matched: consumer 1 skips its last hand-over (consumer 0 takes no turn after it).
     constexpr int kTurnBarrier = 1;
+    constexpr int kEpilogueBarrier = 3;  // the consumers' own, after their turns
     const auto turn_begin = [&] { named_barrier_sync(kTurnBarrier + consumer, kConsumerThreads); };
     const auto turn_end = [&](bool last) {
       if (!(last && consumer == 1)) {
@@ -480,10 +494,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t parity = (j / kStages) & 1;
       const bool has_next = j + 1 < num_n_blocks;
       const float k_factor = __ldg(k_scale + j) * p.qk_scale;
-      if ((j + 1) * kSageBlockN > kv_len) {
-        rows.template exps<true>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+      if ((j_begin + j + 1) * kSageBlockN > kv_len) {
+        rows.template exps<true>(s, pf, j_begin + j, kv_len, k_factor, t, alpha_lo, alpha_hi);
       } else {
-        rows.template exps<false>(s, pf, j, kv_len, k_factor, t, alpha_lo, alpha_hi);
+        rows.template exps<false>(s, pf, j_begin + j, kv_len, k_factor, t, alpha_lo, alpha_hi);
       }
       pack_p(pf, pa);
       mbar_wait(&smem.v_full[stage], parity);
@@ -508,7 +522,57 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_operands(s);
     }
     // Every thread of a quad holds its rows' whole sums (the ones columns 128 + 2t, 129 + 2t).
-    const float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = o[64], l_hi = o[66];
+    float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = o[64], l_hi = o[66];
+    if (split) {
+      // ---- a split part: store (o, m, l); the part that finishes last merges the others'
+      const int local_lo = consumer * kRowsPerConsumer + warp * 16 + g;
+      const int64_t item = static_cast<int64_t>(block - p.split_first) * parts;
+      float* mine = p.partials + ((item + part) * kBlockM + local_lo) * kSagePartialStride;
+      float* mine_hi = mine + 8 * kSagePartialStride;
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        const int col = 8 * c + 2 * t;
+        *reinterpret_cast<float2*>(mine + col) = make_float2(o[4 * c], o[4 * c + 1]);
+        *reinterpret_cast<float2*>(mine_hi + col) = make_float2(o[4 * c + 2], o[4 * c + 3]);
+      }
+      if (t == 0) {
+        *reinterpret_cast<float2*>(mine + 128) = make_float2(m_lo, l_lo);
+        *reinterpret_cast<float2*>(mine_hi + 128) = make_float2(m_hi, l_hi);
+      }
+      __threadfence();  // the partial is visible device-wide before the count that announces it
+      named_barrier_sync(kEpilogueBarrier, kConsumerThreads);
+      if (threadIdx.x == 128) {
+        smem.split_last = atomicAdd(p.counters + (block - p.split_first), 1) == parts - 1;
+      }
+      named_barrier_sync(kEpilogueBarrier, kConsumerThreads);
+      if (!smem.split_last) return;
+      __threadfence();
+      for (int other = 0; other < parts; ++other) {
+        if (other == part) continue;
+        const float* theirs = p.partials + ((item + other) * kBlockM + local_lo) * kSagePartialStride;
+        const float* theirs_hi = theirs + 8 * kSagePartialStride;
+        // .cg loads: written by other SMs, never cached in this SM's L1
+        const float2 ml_lo = __ldcg(reinterpret_cast<const float2*>(theirs + 128));
+        const float2 ml_hi = __ldcg(reinterpret_cast<const float2*>(theirs_hi + 128));
+        const float new_lo = fmaxf(m_lo, ml_lo.x), new_hi = fmaxf(m_hi, ml_hi.x);
+        const float a_lo = fast_exp2(m_lo - new_lo), b_lo = fast_exp2(ml_lo.x - new_lo);
+        const float a_hi = fast_exp2(m_hi - new_hi), b_hi = fast_exp2(ml_hi.x - new_hi);
+#pragma unroll
+        for (int c = 0; c < 16; ++c) {
+          const int col = 8 * c + 2 * t;
+          const float2 x_lo = __ldcg(reinterpret_cast<const float2*>(theirs + col));
+          const float2 x_hi = __ldcg(reinterpret_cast<const float2*>(theirs_hi + col));
+          o[4 * c] = fmaf(o[4 * c], a_lo, x_lo.x * b_lo);
+          o[4 * c + 1] = fmaf(o[4 * c + 1], a_lo, x_lo.y * b_lo);
+          o[4 * c + 2] = fmaf(o[4 * c + 2], a_hi, x_hi.x * b_hi);
+          o[4 * c + 3] = fmaf(o[4 * c + 3], a_hi, x_hi.y * b_hi);
+        }
+        l_lo = fmaf(l_lo, a_lo, ml_lo.y * b_lo);
+        l_hi = fmaf(l_hi, a_hi, ml_hi.y * b_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+      }
+    }
     // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
     const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
     const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
@@ -607,8 +671,13 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
                                   smem_bytes)) != cudaSuccess) {
     return err;
   }
-  const int num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
-  const dim3 grid(static_cast<unsigned>(num_m_blocks) * p.shape.batch * p.shape.heads);
+  const int64_t num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
+  const int64_t blocks = num_m_blocks * p.shape.batch * p.shape.heads;
+  if (p.splits < 1 || p.split_first > blocks || (p.splits > 1 && (p.partials == nullptr ||
+                                                                 p.counters == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(p.split_first + (blocks - p.split_first) * p.splits));
   kernel<<<grid, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
   return cudaGetLastError();
 }

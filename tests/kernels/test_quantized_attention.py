@@ -737,6 +737,43 @@ def test_gpu_cuda_sm90_long_sequence_accumulation():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_splits", [0, 2, 3, 8])
+def test_gpu_cuda_sm90_split_last_wave(kv_splits):
+    """The last wave's query blocks cut into key ranges and merged in the kernel (0: the
+    automatic plan, which splits this small grid; 8: more parts than a short sample has key
+    blocks, so some parts are empty; a sample with no keys at all) against the unsplit kernel:
+    the same output up to the merge's rounding, the same LSE, and float32's accuracy."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    q, k, v = dit_like_qkv(gen, (3, 2, 1000, 128), torch.bfloat16, "cuda")
+    _, k, v = dit_like_qkv(gen, (3, 2, 3000, 128), torch.bfloat16, "cuda")
+    lengths = torch.tensor([3000, 300, 0], device="cuda", dtype=torch.int32)
+    qkv = quantize_qkv(q, k, v, block_n=128, key_lengths=lengths, permute_v=True)
+    op = torch.ops.omni_kernels.sage_attention_sm90
+    outs, lses = [], []
+    for splits in (1, kv_splits):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        op(qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+           lengths, qkv.seq_kv, 128 ** -0.5, out, lse, splits)
+        outs.append(out)
+        lses.append(lse)
+    whole, split = outs
+    assert not split.isnan().any() and not lses[1].isnan().any()
+    assert not split[2].any() and lses[1][2].eq(float("-inf")).all(), "a sample without keys"
+    between = ((split.float() - whole.float()).norm() / whole.float().norm()).item()
+    assert between <= 2e-3, f"split vs whole rel L2 {between:.3e}"
+    torch.testing.assert_close(lses[1][:2], lses[0][:2], rtol=0, atol=1e-4)
+    for b in (0, 1):
+        n = int(lengths[b])
+        cos, rel = _subset_errors(split[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        assert cos >= 0.999 and rel <= 3e-2, f"sample {b}: cosine {cos:.5f}, rel L2 {rel:.3e}"
+    with pytest.raises(RuntimeError, match="kv_splits must be"):
+        op(qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+           lengths, qkv.seq_kv, 128 ** -0.5, whole, None, 9)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_sm90_op_argument_errors():
     """The C++ op's own checks: natural-order shapes it cannot take raise naming the argument."""
     _skip_without_cuda_sm90()
