@@ -351,7 +351,9 @@ __device__ __forceinline__ void fold(float (&o)[68], const float (&pv)[68], floa
 
 #endif  // OMNI_SAGE_SM90_DEVICE
 
-template <typename OutT>
+// kSplit: this launch runs the split parts of the last wave's query blocks (a separate
+// instantiation: folding a runtime split into the one kernel cost its main loop 4-7% on the H200).
+template <typename OutT, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
                      const __grid_constant__ CUtensorMap q_map,
@@ -364,13 +366,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
 
   const int num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
-  // CTAs past split_first take one of `splits` key ranges of a query block (the last wave's
-  // split, see sage_split_plan); the parts of a block are adjacent, so they run together.
-  const bool split = static_cast<int>(blockIdx.x) >= p.split_first;
-  const int split_index = split ? static_cast<int>(blockIdx.x) - p.split_first : 0;
-  const int parts = split ? p.splits : 1;
-  const int part = split_index % parts;
-  const int block = split ? p.split_first + split_index / parts : static_cast<int>(blockIdx.x);
+  // A split launch's CTAs take one of `splits` key ranges of a query block from split_first
+  // on (see sage_split_plan); the parts of a block are adjacent, so they run together.
+  const int parts = kSplit ? p.splits : 1;
+  const int part = kSplit ? static_cast<int>(blockIdx.x) % parts : 0;
+  const int block = kSplit ? p.split_first + static_cast<int>(blockIdx.x) / parts
+                           : static_cast<int>(blockIdx.x);
   const int m_block = block % num_m_blocks;  // query blocks of a head adjacent: K/V via L2
   const int bh = block / num_m_blocks;
   const int b = bh / p.shape.heads;
@@ -523,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Every thread of a quad holds its rows' whole sums (the ones columns 128 + 2t, 129 + 2t).
     float m_lo = rows.m_lo, m_hi = rows.m_hi, l_lo = o[64], l_hi = o[66];
-    if (split) {
+    if constexpr (kSplit) {
       // ---- a split part: store (o, m, l); the part that finishes last merges the others'
       const int local_lo = consumer * kRowsPerConsumer + warp * 16 + g;
       const int64_t item = static_cast<int64_t>(block - p.split_first) * parts;
@@ -646,14 +647,30 @@ cudaError_t encode_byte_tiles(EncodeTiledFn encode, CUtensorMap* map, const void
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename OutT>
-cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
-  auto* kernel = &sage_sm90_kernel<OutT>;
+// The kernel's launch checks and shared memory size, once per instantiation.
+template <typename OutT, bool kSplit>
+cudaError_t prepare(int smem_bytes) {
+  auto* kernel = &sage_sm90_kernel<OutT, kSplit>;
   cudaFuncAttributes attributes;
   cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);  // no image at all: an error
   if (err != cudaSuccess) return err;
   // An image JIT-compiled from older PTX (compute_80/89) has the trapping body: refuse it.
   if (attributes.ptxVersion < 90) return cudaErrorNoKernelImageForDevice;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+template <typename OutT>
+cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
+  const int64_t num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
+  const int64_t blocks = num_m_blocks * p.shape.batch * p.shape.heads;
+  if (p.splits < 1 || p.split_first > blocks ||
+      (p.splits > 1 && (p.partials == nullptr || p.counters == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  const int smem_bytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment slack
+  cudaError_t err;
+  if ((err = prepare<OutT, false>(smem_bytes)) != cudaSuccess) return err;
+  if (p.splits > 1 && (err = prepare<OutT, true>(smem_bytes)) != cudaSuccess) return err;
   EncodeTiledFn encode = nullptr;
   if ((err = encode_tiled_function(&encode)) != cudaSuccess) return err;
   CUtensorMap q_map, k_map, v_map;
@@ -666,20 +683,18 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
                                kv_heads * kSageHeadDim)) != cudaSuccess) {
     return err;
   }
-  const int smem_bytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment slack
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  smem_bytes)) != cudaSuccess) {
-    return err;
+  // The whole query blocks, then (same stream: after them) the split parts of the rest.
+  if (p.split_first > 0) {
+    sage_sm90_kernel<OutT, false><<<static_cast<unsigned>(p.split_first), kThreads, smem_bytes,
+                                    stream>>>(p, q_map, k_map, v_map);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  const int64_t num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
-  const int64_t blocks = num_m_blocks * p.shape.batch * p.shape.heads;
-  if (p.splits < 1 || p.split_first > blocks || (p.splits > 1 && (p.partials == nullptr ||
-                                                                 p.counters == nullptr))) {
-    return cudaErrorInvalidValue;
+  if (p.splits > 1 && blocks > p.split_first) {
+    const unsigned parts = static_cast<unsigned>((blocks - p.split_first) * p.splits);
+    sage_sm90_kernel<OutT, true><<<parts, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(p.split_first + (blocks - p.split_first) * p.splits));
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 }  // namespace

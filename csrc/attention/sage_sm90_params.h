@@ -64,39 +64,26 @@ struct SageSplitPlan {
   int splits;
 };
 
-// Which query blocks to split, for a grid of `blocks` CTAs of 128 query rows over
-// `kv_blocks` key blocks on `sms` SMs (one CTA an SM). The last wave's `tail` blocks would
-// leave the other SMs idle; cut into f parts they take ceil(tail * f / sms) / f of a wave
-// instead of one. f is the smallest with the least time, each part at least
-// kSageMinSplitBlocks key blocks; `requested` > 0 forces f (1: never split).
-// Flux 1024^2 (864 blocks, 36 key blocks) on 132 SMs: tail 72, f = 3, 2/3 of a wave.
+// Which query blocks to split, for a grid of `blocks` CTAs of 128 query rows over `kv_blocks`
+// key blocks on `sms` SMs (one CTA an SM). The last wave's `tail` blocks leave the other SMs
+// idle; cut into f parts, all in one wave (tail * f <= sms), they take 1/f of the wave plus each
+// part's fixed cost (Q, the pipeline's start, the partial's store and merge: ~0.2 of a 36-block
+// CTA on the H200). f is the most that fit, at most kSageMaxSplits and kv_blocks /
+// kSageMinSplitBlocks; `requested` > 0 forces f (1: never split). A tail that fits no 2 parts
+// per SM stays whole: on the H200 every split of Flux 1024^2's (72 of 132 SMs) measured slower.
+// Measured there: one head of Flux (36 blocks, f = 3) 1.75x; SD3 1024^2 (tail 48, f = 2) 1.04x.
 inline SageSplitPlan sage_split_plan(int64_t blocks, int64_t kv_blocks, int64_t sms,
                                      int64_t requested) {
-  const int64_t tail = blocks % sms == 0 ? 0 : blocks % sms;
-  const int64_t most = kv_blocks / kSageMinSplitBlocks;
-  int64_t best = 1;
-  if (requested > 0) {
-    best = requested;
-  } else if (tail > 0) {
-    double best_time = 1.0;
-    for (int64_t f = 2; f <= kSageMaxSplits && f <= most; ++f) {
-      const double time = static_cast<double>((tail * f + sms - 1) / sms) / static_cast<double>(f);
-      if (time < best_time - 1e-9) {
-        best_time = time;
-        best = f;
-      }
-    }
+  const int64_t tail = blocks % sms;
+  int64_t f = requested;
+  if (requested <= 0) {
+    f = tail > 0 ? sms / tail : 1;
+    const int64_t most = kv_blocks / kSageMinSplitBlocks;
+    if (f > most) f = most;
+    if (f > kSageMaxSplits) f = kSageMaxSplits;
   }
-  if (best <= 1 || tail == 0) return SageSplitPlan{static_cast<int>(blocks), 1};
-  return SageSplitPlan{static_cast<int>(blocks - tail), static_cast<int>(best)};
-}
-
-inline SageShape make_sage_shape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_q,
-                                 int64_t seq_kv, int64_t seq_kv_pad) {
-  // The callers check that every product of these stays below 2**31.
-  return SageShape{static_cast<int>(batch), static_cast<int>(heads), static_cast<int>(kv_heads),
-                   static_cast<int>(seq_q), static_cast<int>(seq_kv),
-                   static_cast<int>(seq_kv_pad)};
+  if (f <= 1 || tail == 0) return SageSplitPlan{static_cast<int>(blocks), 1};
+  return SageSplitPlan{static_cast<int>(blocks - tail), static_cast<int>(f)};
 }
 
 enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };

@@ -355,6 +355,12 @@ def test_sage_config_kernel_validation():
     with pytest.raises(ValueError, match="cuda_quantizer applies to kernel='cuda_sm90' only"):
         SageConfig(64, 128, 4, 3, cuda_quantizer=True)
     assert "CUDA quantizer" in SageConfig(128, 128, 12, 3, kernel="cuda_sm90", cuda_quantizer=True).describe()
+    for bad in (-1, 9, 2.0):
+        with pytest.raises(ValueError, match="kv_splits must be an int in"):
+            SageConfig(128, 128, 12, 3, kernel="cuda_sm90", kv_splits=bad)
+    with pytest.raises(ValueError, match="kv_splits applies to kernel='cuda_sm90' only"):
+        SageConfig(64, 128, 4, 3, kv_splits=2)
+    assert "kv_splits=3" in dataclasses.replace(CUDA_SM90_CONFIG, kv_splits=3).describe()
 
 
 def test_cuda_sm90_kernel_unavailable_is_a_clear_error():
@@ -684,8 +690,10 @@ def test_gpu_cuda_sm90_matches_blockwise_reference(layout, dtype):
     lengths = torch.tensor([3001, 2000, 0], device="cuda")
     qkv = quantize_qkv(q, k, v, layout=layout, block_n=128, key_lengths=lengths, permute_v=True)
     out = torch.full_like(q, float("nan"))
+    # unsplit: the reference's step order (a split part rounds P under its own running max)
     _, lse = sage_attention_quantized(qkv, out, layout=layout, scale=1 / math.sqrt(d),
-                                      key_lengths=lengths, return_lse=True, config=CUDA_SM90_CONFIG)
+                                      key_lengths=lengths, return_lse=True,
+                                      config=dataclasses.replace(CUDA_SM90_CONFIG, kv_splits=1))
     torch.cuda.synchronize()
     # the kernel's softmax denominators sum the FP8-rounded P (its P V MMA's ones rows)
     ref, ref_lse = quantized_attention_reference(qkv, scale=1 / math.sqrt(d), key_lengths=lengths,
@@ -741,8 +749,9 @@ def test_gpu_cuda_sm90_long_sequence_accumulation():
 def test_gpu_cuda_sm90_split_last_wave(kv_splits):
     """The last wave's query blocks cut into key ranges and merged in the kernel (0: the
     automatic plan, which splits this small grid; 8: more parts than a short sample has key
-    blocks, so some parts are empty; a sample with no keys at all) against the unsplit kernel:
-    the same output up to the merge's rounding, the same LSE, and float32's accuracy."""
+    blocks, so some parts are empty; a sample with no keys at all) against the unsplit kernel
+    and float32. A part rounds P to FP8 under its own running max, so split and unsplit differ
+    by FP8 rounding (H200: 2.4e-3 rel L2, LSE up to ~6e-3), not bit for bit."""
     _skip_without_cuda_sm90()
     gen = torch.Generator(device="cuda").manual_seed(14)
     q, k, v = dit_like_qkv(gen, (3, 2, 1000, 128), torch.bfloat16, "cuda")
@@ -762,8 +771,15 @@ def test_gpu_cuda_sm90_split_last_wave(kv_splits):
     assert not split.isnan().any() and not lses[1].isnan().any()
     assert not split[2].any() and lses[1][2].eq(float("-inf")).all(), "a sample without keys"
     between = ((split.float() - whole.float()).norm() / whole.float().norm()).item()
-    assert between <= 2e-3, f"split vs whole rel L2 {between:.3e}"
-    torch.testing.assert_close(lses[1][:2], lses[0][:2], rtol=0, atol=1e-4)
+    assert between <= 5e-3, f"split vs whole rel L2 {between:.3e}"
+    lse_gap = (lses[1][:2] - lses[0][:2]).abs().max().item()
+    assert lse_gap <= 1.5e-2, f"split vs whole LSE {lse_gap:.3e}"
+    # the LSE against float32's (natural log; K's mean cancels in the softmax and is added back)
+    scores = q[:2, :, :256].float() @ k[:2].float().transpose(-1, -2) * 128 ** -0.5
+    key_ok = torch.arange(k.shape[2], device="cuda")[None, :] < lengths[:2, None]
+    exact_lse = scores.masked_fill(~key_ok[:, None, None, :], float("-inf")).logsumexp(-1)
+    lse_err = (lses[1][:2, :, :256] - exact_lse).abs().max().item()
+    assert lse_err <= 2e-2, f"split LSE vs float32 {lse_err:.3e}"
     for b in (0, 1):
         n = int(lengths[b])
         cos, rel = _subset_errors(split[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])

@@ -257,6 +257,12 @@ class SageConfig:
     # instead of the Triton ones. Off: on the H200 the Triton quantizer took 0.088 / 1.70 / 1.58
     # ms at Flux / Wan 720p / Hunyuan 720p against the CUDA one's 0.154 / 3.53 / 3.34.
     cuda_quantizer: bool = False
+    # cuda_sm90 only: the last wave's query blocks cut into this many key ranges, merged in the
+    # kernel (0: csrc/attention/sage_sm90_params.h's plan, which splits only a tail that fits
+    # two or more parts per idle SM: one head of Flux 1.75x, SD3 1024^2 1.04x, Flux's 24 heads
+    # unsplit; 1: never; 2..8: forced). A split part rounds P to FP8 under its own running max,
+    # so the output moves within the FP8 rounding (~2e-3 rel L2 vs unsplit on DiT-like inputs).
+    kv_splits: int = 0
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -264,6 +270,12 @@ class SageConfig:
         if self.cuda_quantizer and self.kernel != "cuda_sm90":
             raise ValueError("SageConfig.cuda_quantizer applies to kernel='cuda_sm90' only (the CUDA "
                              f"quantizer writes V^T permuted for it); got kernel={self.kernel!r}")
+        if not (isinstance(self.kv_splits, int) and 0 <= self.kv_splits <= MAX_KV_SPLITS):
+            raise ValueError(f"SageConfig.kv_splits must be an int in [0, {MAX_KV_SPLITS}] (0: auto, "
+                             f"1: never split); got {self.kv_splits!r}")
+        if self.kv_splits and self.kernel != "cuda_sm90":
+            raise ValueError("SageConfig.kv_splits applies to kernel='cuda_sm90' only; got "
+                             f"kernel={self.kernel!r}")
         if self.kernel == "cuda_sm90" and (self.block_m, self.block_n) != (128, 128):
             raise ValueError("SageConfig(kernel='cuda_sm90') needs block_m=128 and block_n=128 "
                              f"(the CUDA kernel's fixed tile); got {self.block_m}, {self.block_n}")
@@ -271,10 +283,14 @@ class SageConfig:
     def describe(self) -> str:
         if self.kernel == "cuda_sm90":
             return ("cuda_sm90 M128xN128 (wgmma, 3-stage TMA, 2 consumer warpgroups"
-                    + (", CUDA quantizer" if self.cuda_quantizer else "") + ")")
+                    + (", CUDA quantizer" if self.cuda_quantizer else "")
+                    + (f", kv_splits={self.kv_splits}" if self.kv_splits else "") + ")")
         return (f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
                 + ("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
                 + ("+bias" if self.score_bias else ""))
+
+
+MAX_KV_SPLITS = 8  # csrc/attention/sage_sm90_params.h's kSageMaxSplits
 
 
 CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
@@ -434,7 +450,7 @@ def sage_attention_quantized(
         out4 = out if layout == "bhsd" else out.transpose(1, 2)  # the op takes a [B, H, S, D] view
         torch.ops.omni_kernels.sage_attention_sm90(
             qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
-            key_lengths, qkv.seq_kv, float(scale), out4, lse,
+            key_lengths, qkv.seq_kv, float(scale), out4, lse, cfg.kv_splits,
         )
         return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
