@@ -86,6 +86,14 @@ inline SageSplitPlan sage_split_plan(int64_t blocks, int64_t kv_blocks, int64_t 
   return SageSplitPlan{static_cast<int>(blocks - tail), static_cast<int>(f)};
 }
 
+inline SageShape make_sage_shape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_q,
+                                 int64_t seq_kv, int64_t seq_kv_pad) {
+  // The callers check that every product of these stays below 2**31.
+  return SageShape{static_cast<int>(batch), static_cast<int>(heads), static_cast<int>(kv_heads),
+                   static_cast<int>(seq_q), static_cast<int>(seq_kv),
+                   static_cast<int>(seq_kv_pad)};
+}
+
 enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
 
 // Launches the kernel on `stream`; returns cudaSuccess or the first CUDA error (a build
