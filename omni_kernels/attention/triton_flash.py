@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.reference import ATTENTION_LAYOUTS
 
 LOG2E = 1.4426950408889634
@@ -547,7 +547,7 @@ def _validate(q, k, v, layout, key_lengths, out):
 def _launch(q, k, v, out, lse, key_lengths, layout, causal, qk_scale, cfg, dims):
     batch, hq, hkv, sq, sk, d = dims
     block_d = _block_d(d)
-    num_m_blocks = triton.cdiv(sq, cfg.block_m)
+    num_m_blocks = cdiv(sq, cfg.block_m)
     fp32 = q.dtype == torch.float32
     q_desc = k_desc = v_desc = None
     use_tma = False

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels._triton import cdiv, triton_interpreter_enabled
 
 
 @triton.jit
@@ -201,7 +201,7 @@ def launch_scaled_gemm_triton(
     )
     if triton_interpreter_enabled():
         config = _INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+        grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
         _scaled_gemm_kernel[grid](*args, EVEN_K=k % config["BLOCK_K"] == 0, **flags, **config)
         return c
     operand_bytes = 1 if not weight_only else 2
@@ -210,7 +210,7 @@ def launch_scaled_gemm_triton(
     even_k = k % 256 == 0
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
 
     kernel[grid](*args, EVEN_K=even_k, **flags)
     return c

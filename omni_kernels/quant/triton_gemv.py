@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from omni_kernels._triton import cdiv
 from omni_kernels.quant.reference import FP8_DTYPE, INT8_DTYPE
 
 #: the most rows the GEMV takes; more are a GEMM (:mod:`.triton_gemm`)
@@ -248,11 +249,11 @@ def default_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.de
     """How many programs share each column block's ``K``: 1 for ``n >= NO_SPLIT_MIN_N`` or
     when the column blocks fill every SM; otherwise enough to fill them, at most 16 and at
     most one ``block_k`` chunk each."""
-    column_blocks = triton.cdiv(n, block_n)
+    column_blocks = cdiv(n, block_n)
     sm_count = _sm_count(device)
     if n >= NO_SPLIT_MIN_N or column_blocks >= sm_count:
         return 1
-    return max(1, min(triton.cdiv(sm_count, column_blocks), triton.cdiv(k, block_k), _MAX_SPLIT_K))
+    return max(1, min(cdiv(sm_count, column_blocks), cdiv(k, block_k), _MAX_SPLIT_K))
 
 
 def _check_power_of_two(name: str, value, low: int, high: int) -> None:
@@ -341,10 +342,10 @@ def launch_weight_only_gemv(
         out.copy_(bias.to(x.dtype).expand(m, n) if bias is not None else torch.zeros_like(out))
         return out
 
-    k_blocks = triton.cdiv(k, block_k)
+    k_blocks = cdiv(k, block_k)
     split = default_split_k(n, k, block_n, block_k, x.device) if split_k is None else split_k
-    blocks_per_split = triton.cdiv(k_blocks, min(split, k_blocks))
-    split = triton.cdiv(k_blocks, blocks_per_split)  # no program without K
+    blocks_per_split = cdiv(k_blocks, min(split, k_blocks))
+    split = cdiv(k_blocks, blocks_per_split)  # no program without K
     k_per_split = blocks_per_split * block_k
     w_scale = w_scale.reshape(n).contiguous()
     bias = bias.reshape(n).contiguous() if bias is not None else None
@@ -355,7 +356,7 @@ def launch_weight_only_gemv(
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
-    wrap_triton(_weight_only_gemv_kernel)[(triton.cdiv(n, block_n), split)](
+    wrap_triton(_weight_only_gemv_kernel)[(cdiv(n, block_n), split)](
         x, w_q, w_scale, bias if bias is not None else w_scale, target,
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), *target_strides,
@@ -373,7 +374,7 @@ def launch_weight_only_gemv(
     )
     if partial is not None:
         reduce_block = 128
-        wrap_triton(_reduce_splits_kernel)[(triton.cdiv(n, reduce_block), m)](
+        wrap_triton(_reduce_splits_kernel)[(cdiv(n, reduce_block), m)](
             partial, w_scale, bias if bias is not None else w_scale, out, m, n, split,
             partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, BLOCK_N=reduce_block, num_warps=4,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels._triton import cdiv, triton_interpreter_enabled
 from omni_kernels.quant.reference import FP8_DTYPE, MIN_ABSMAX, qmax_of
 
 try:  # triton >= 3.0
@@ -384,7 +384,7 @@ def launch_quantize_per_token_triton(
             num_warps=num_warps or default_warps,
         )
     else:
-        wrap_triton(_quantize_rows_per_token_kernel)[(triton.cdiv(m, rows_per_program),)](
+        wrap_triton(_quantize_rows_per_token_kernel)[(cdiv(m, rows_per_program),)](
             *pointers, m, k, *row_scalars, **constants, ROWS=rows_per_program,
             num_warps=num_warps or multi_row_warps(rows_per_program, block),
         )

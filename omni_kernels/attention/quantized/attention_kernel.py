@@ -42,13 +42,14 @@ capability >= 8.9 (Ada, Hopper, Blackwell).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
+from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
@@ -296,9 +297,27 @@ MAX_KV_SPLITS = 8  # csrc/attention/sage_sm90_params.h's kSageMaxSplits
 CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability (cached: asked on every eager call)."""
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cuda_sm90_unsupported_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
     """None when ``SageConfig(kernel="cuda_sm90")`` can run on ``device`` with this head_dim and
     dtype, else why not (what is missing). Shapes are checked by :func:`unsupported_reason`."""
+    device = torch.device(device)
+    index = _cuda_index(device) if device.type == "cuda" else -1
+    return _cuda_sm90_reason(device.type, index, head_dim, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm90_reason(device_type: str, index: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """:func:`cuda_sm90_unsupported_reason`, cached (facts of the build and the device only)."""
     from omni_kernels._extension import compiled_extension_error, has_compiled_extension
 
     if not has_compiled_extension():
@@ -306,11 +325,9 @@ def cuda_sm90_unsupported_reason(device: torch.device, head_dim: int, dtype: tor
     if not hasattr(torch.ops.omni_kernels, "sage_attention_sm90"):
         return ("the cuda_sm90 kernel is missing from this build of omni_kernels._C "
                 "(a ROCm build, or one older than the kernel): rebuild the extension")
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"the cuda_sm90 kernel runs on CUDA tensors; got {device}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = tuple(torch.cuda.get_device_capability(index))
+    if device_type != "cuda":
+        return f"the cuda_sm90 kernel runs on CUDA tensors; got {device_type}"
+    cap = _capability(index)
     if cap[0] != 9:
         return (f"the cuda_sm90 kernel needs a Hopper GPU (compute capability 9.0: wgmma, TMA); "
                 f"{torch.cuda.get_device_name(index)} has {cap[0]}.{cap[1]}")
@@ -343,8 +360,7 @@ def default_config(head_dim: int, device: torch.device | str | None = None) -> S
         return _INTERPRETER_CONFIG
     device = torch.device(device) if device is not None else None
     if head_dim == 128 and device is not None and device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if torch.cuda.get_device_capability(index)[0] == 9:
+        if _capability(_cuda_index(device))[0] == 9:
             return _HOPPER_D128_CONFIG
     return _FALLBACK_CONFIG
 
@@ -378,8 +394,8 @@ def unsupported_reason(q, k, v, layout: str) -> str | None:
     if hk == 0 or hq % hk:
         return f"query heads ({hq}) must be a multiple of key/value heads ({hk})"
     if q.is_cuda:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        cap = tuple(torch.cuda.get_device_capability(index))
+        index = _cuda_index(q.device)
+        cap = _capability(index)
         if cap < MIN_CAPABILITY:
             return (
                 f"needs FP8 tensor cores (compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
@@ -455,7 +471,7 @@ def sage_attention_quantized(
         return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
     q_desc, k_desc, v_desc = _tma_descriptors(qkv, cfg) if use_tma else (None, None, None)
-    num_m_blocks = triton.cdiv(sq, cfg.block_m)
+    num_m_blocks = cdiv(sq, cfg.block_m)
     sob, soh, som = bhs_strides(out, layout)
     if batch * hq * sq > 0:
         _sage_fwd_kernel[(num_m_blocks * batch * hq,)](

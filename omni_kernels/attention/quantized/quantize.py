@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_kernels._triton import triton_interpreter_enabled
+from omni_kernels._triton import cdiv, triton_interpreter_enabled
 from omni_kernels.attention.quantized.reference import FP8_DTYPE, V_KEY_GROUP, QuantizedQKV
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
@@ -270,8 +270,8 @@ def stats_chunk_len(seq_k: int, num_kv_bh: int, device: torch.device) -> int:
     if triton_interpreter_enabled():
         return _INTERPRETER_STATS[1]
     index = device.index if device.index is not None else torch.cuda.current_device()
-    chunks = max(1, triton.cdiv(STATS_PROGRAMS_PER_SM * _sm_count(index), max(num_kv_bh, 1)))
-    chunk = triton.cdiv(triton.cdiv(max(seq_k, 1), chunks), STATS_BLOCK) * STATS_BLOCK
+    chunks = max(1, cdiv(STATS_PROGRAMS_PER_SM * _sm_count(index), max(num_kv_bh, 1)))
+    chunk = cdiv(cdiv(max(seq_k, 1), chunks), STATS_BLOCK) * STATS_BLOCK
     return max(chunk, STATS_MIN_CHUNK)
 
 
@@ -308,12 +308,12 @@ def quantize_qkv(
     device = q.device
     if permute_v and block_n % V_KEY_GROUP:
         raise ValueError(f"permute_v needs block_n to be a multiple of {V_KEY_GROUP}; got {block_n}")
-    nblk = triton.cdiv(skv, block_n)
+    nblk = cdiv(skv, block_n)
     skv_pad = nblk * block_n
     num_kv_bh = batch * hkv
     emulate = triton_interpreter_enabled()
     chunk = stats_chunk_len(skv, num_kv_bh, device)
-    chunks = max(1, triton.cdiv(skv, chunk))  # one (empty) chunk still writes the stats
+    chunks = max(1, cdiv(skv, chunk))  # one (empty) chunk still writes the stats
     has_lengths = key_lengths is not None
 
     # [k_mean | 448 / vmax | vmax / 448], each [B*Hkv, D]
@@ -337,7 +337,7 @@ def quantize_qkv(
     k_scale = torch.empty((batch, hkv, nblk), dtype=torch.float32, device=device)
     v_fp8 = torch.empty((batch, hkv, d, skv_pad), dtype=FP8_DTYPE, device=device)
     q_block = 16 if emulate else Q_BLOCK
-    num_q_blocks = triton.cdiv(sq, q_block)
+    num_q_blocks = cdiv(sq, q_block)
     num_q_programs = num_q_blocks * batch * hq
     grid = num_q_programs + nblk * num_kv_bh
     if grid:
