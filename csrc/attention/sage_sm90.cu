@@ -18,6 +18,11 @@
 // Shared memory tiles are [rows][128 bytes] with the 128-byte swizzle that TMA writes and wgmma
 // reads (both K-major: 8-bit wgmma operands must be).
 //
+// A partial last wave (sage_split_plan in sage_sm90_params.h): its query blocks run as a second
+// launch (the kSplit instantiation), each cut into key ranges, one CTA each; a part stores its
+// unnormalized accumulator, running max and row sum, and the part that finishes last (a counter
+// per block) merges the others' and writes the output and LSE.
+//
 // P as an A operand: a thread's float32 accumulator holds, per 8-column chunk c, the columns
 // 8c + 2t and 8c + 2t + 1 (t = lane % 4) of rows g and g + 8 (g = lane / 4); an 8-bit A
 // fragment wants columns 4t..4t+3 (and 16 + 4t..) of one row in each register. Instead of
@@ -663,7 +668,7 @@ template <typename OutT>
 cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
   const int64_t num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = num_m_blocks * p.shape.batch * p.shape.heads;
-  if (p.splits < 1 || p.split_first > blocks ||
+  if (p.splits < 1 || p.split_first > blocks || (p.splits == 1 && p.split_first != blocks) ||
       (p.splits > 1 && (p.partials == nullptr || p.counters == nullptr))) {
     return cudaErrorInvalidValue;
   }
