@@ -85,6 +85,10 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out,
                          const std::optional<torch::Tensor>& lse, int64_t kv_splits);
+// sage_attention_sm90's plan for a grid of `blocks` query blocks over `kv_blocks` key blocks on
+// `sms` SMs: [split_first, splits] (attention/sage_sm90_params.h, sage_split_plan).
+std::vector<int64_t> sage_attention_sm90_split_plan(int64_t blocks, int64_t kv_blocks, int64_t sms,
+                                                    int64_t kv_splits);
 
 // Q/K/V quantization for sage_attention_sm90 (csrc/attention/sage_quant.cu): q [B, Hq, Sq, 128],
 // k/v [B, Hkv, Skv, 128] (bshd: [B, S, H, 128]) fp16/bf16 read through strides. Returns

@@ -51,6 +51,8 @@ TORCH_LIBRARY(omni_kernels, ops) {
       "Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? key_lengths, int seq_kv, "
       "float scale, Tensor(a!) out, Tensor(b!)? lse, int kv_splits=0) -> ()");
   ops.impl("sage_attention_sm90", torch::kCUDA, &sage_attention_sm90);
+  ops.def("sage_attention_sm90_split_plan(int blocks, int kv_blocks, int sms, int kv_splits) -> int[]",
+          &sage_attention_sm90_split_plan);
   // Its inputs' quantization (INT8 Q, smoothed INT8 K, FP8 V^T) in CUDA: two launches, one call.
   ops.def(
       "sage_quantize_qkv(Tensor q, Tensor k, Tensor v, bool bshd, Tensor? key_lengths, "

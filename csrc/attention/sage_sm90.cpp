@@ -154,3 +154,11 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
               "OMNI_CUDA_ARCHS including 90a");
   TORCH_CHECK(err == cudaSuccess, kOp, ": launch failed: ", cudaGetErrorString(err));
 }
+
+std::vector<int64_t> sage_attention_sm90_split_plan(int64_t blocks, int64_t kv_blocks, int64_t sms,
+                                                    int64_t kv_splits) {
+  TORCH_CHECK(blocks >= 0 && kv_blocks >= 0 && sms > 0, "sage_attention_sm90_split_plan: blocks ",
+              "and kv_blocks must be >= 0 and sms > 0; got ", blocks, ", ", kv_blocks, ", ", sms);
+  const auto plan = omni::attention::sage_split_plan(blocks, kv_blocks, sms, kv_splits);
+  return {plan.split_first, plan.splits};
+}

@@ -372,6 +372,26 @@ def test_cuda_sm90_kernel_unavailable_is_a_clear_error():
         sage_attention_forward(q, q, q, config=CUDA_SM90_CONFIG)
 
 
+@pytest.mark.parametrize("blocks,kv_blocks,requested,expected", [
+    (864, 36, 0, [864, 1]),      # Flux 1024^2: a 72-CTA tail fits one part an SM: no split
+    (36, 36, 0, [0, 3]),         # one head of Flux: 3 parts of 12 key blocks, one wave
+    (840, 35, 0, [792, 2]),      # SD3 1024^2: tail 48, 2 parts
+    (23640, 591, 0, [23628, 8]),  # Wan 720p: tail 12, at most 8 parts
+    (36, 8, 0, [0, 2]),          # short keys: parts of at least 4 key blocks
+    (36, 7, 0, [36, 1]),         # too short to split at all
+    (792, 36, 0, [792, 1]),      # whole waves: nothing to split
+    (864, 36, 2, [792, 2]),      # forced
+    (36, 36, 1, [36, 1]),        # never
+])
+def test_sm90_split_plan(blocks, kv_blocks, requested, expected):
+    """The last-wave split's plan ([split_first, splits]) on the H200's 132 SMs."""
+    from omni_kernels._extension import has_compiled_extension
+
+    if not (has_compiled_extension() and hasattr(torch.ops.omni_kernels, "sage_attention_sm90_split_plan")):
+        pytest.skip("needs omni's compiled extension with the sm90 attention")
+    assert torch.ops.omni_kernels.sage_attention_sm90_split_plan(blocks, kv_blocks, 132, requested) == expected
+
+
 def test_cuda_quantizer_refusals_and_fake_shapes():
     """The CUDA quantizer names what it cannot take; its fake gives QuantizedQKV's shapes
     (checked under FakeTensorMode: no GPU needed)."""
