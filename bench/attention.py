@@ -490,6 +490,16 @@ def main(argv=None) -> int:
         return 2
     env = _environment()
     env.update(dtype=args.dtype, layout=args.layout)
+    if args.lossy_sweep and args.write_auto_table:
+        # the sweep writes only the lossy part: an arch without a measured lossless ranking
+        # would get a table of lossy backends alone, with no lossless fallback order or source
+        path = args.auto_table_path
+        known = json.loads(path.read_text()).get("archs", {}) if path.exists() else {}
+        if env["arch"] not in known:
+            print(f"--lossy-sweep --write-auto-table: {path} has no entry for {env['arch']} yet; "
+                  f"measure its lossless ranking first (bench/attention.py --write-auto-table), "
+                  f"then run the sweep", file=sys.stderr)
+            return 2
     device = torch.device("cuda", torch.cuda.current_device())
     unavailable = {}
     for name in args.backends:

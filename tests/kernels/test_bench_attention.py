@@ -119,3 +119,19 @@ def test_sweep_refuses_without_a_lossy_backend(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "gpu_refusal", lambda what: None)
     assert bench.main(["--lossy-sweep", "--backends", "sdpa_cudnn", "sdpa_math"]) == 2
     assert "needs at least one lossy backend" in capsys.readouterr().err
+
+
+def test_sweep_refuses_to_write_an_arch_without_a_lossless_entry(bench, capsys, monkeypatch, tmp_path):
+    """The sweep writes only the lossy part of an arch's entry: with no lossless ranking measured
+    there yet it refuses up front (before any timing) and leaves the table as it was."""
+    monkeypatch.setattr(bench, "gpu_refusal", lambda what: None)
+    monkeypatch.setattr(bench, "_environment", lambda: dict(ENV, arch="sm99"))
+    table = tmp_path / "auto_table.json"
+    table.write_text('{"format": 1, "archs": {"sm90": {"ranking": ["sdpa_cudnn"]}}}\n')
+    before = table.read_text()
+    code = bench.main(["--lossy-sweep", "--backends", "sdpa_cudnn", "omni_sage", "--write-auto-table",
+                       "--auto-table-path", str(table), "--out-dir", str(tmp_path)])
+    assert code == 2
+    assert "has no entry for sm99 yet" in capsys.readouterr().err
+    assert table.read_text() == before
+
