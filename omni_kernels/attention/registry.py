@@ -311,12 +311,14 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> BackendSpec
         if layout not in LAYOUTS:
             raise ValueError(f"backend {name!r}: layout {layout!r} is not one of {LAYOUTS}")
     _REGISTRY[name] = spec
+    _RANKING_CACHE.clear()
     return spec
 
 
 def unregister_backend(name: str) -> None:
     """Remove a registered backend (for tests and plug-ins)."""
     _REGISTRY.pop(name, None)
+    _RANKING_CACHE.clear()
 
 
 def _ensure_builtin_backends() -> None:
@@ -477,6 +479,8 @@ def resolve_backend_request(
 
 _TABLE_CACHE: dict[str, dict] = {}
 _MIN_SEQ_CACHE: dict[tuple[str, str], dict[str, int]] = {}  # (table path, arch): lossy_min_seq
+# (table path, arch, allow_lossy): auto's order; cleared with the table and on (un)registration
+_RANKING_CACHE: dict[tuple[str, str, bool], tuple[str, ...]] = {}
 
 
 def auto_table_path() -> Path:
@@ -503,6 +507,7 @@ def reload_auto_table() -> None:
     """Forget the cached table (after ``bench/attention.py --write-auto-table``)."""
     _TABLE_CACHE.clear()
     _MIN_SEQ_CACHE.clear()
+    _RANKING_CACHE.clear()
 
 
 def _arch_entry(arch: str) -> dict:
@@ -549,6 +554,14 @@ def auto_ranking(arch: str, *, allow_lossy: bool = False) -> list[str]:
     it for the arch and ``allow_lossy`` is true.
     """
     _ensure_builtin_backends()
+    key = (str(auto_table_path()), arch, bool(allow_lossy))
+    cached = _RANKING_CACHE.get(key)
+    if cached is None:
+        cached = _RANKING_CACHE[key] = tuple(_build_ranking(arch, allow_lossy))
+    return list(cached)
+
+
+def _build_ranking(arch: str, allow_lossy: bool) -> list[str]:
     entry = _arch_entry(arch)
     order = []
     for name in entry.get("ranking", []):

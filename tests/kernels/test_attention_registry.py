@@ -319,6 +319,28 @@ def test_context_entered_after_a_compile_warns_once(caplog):
     torch._dynamo.reset()
 
 
+def test_auto_ranking_follows_registration_and_the_table(tmp_path, monkeypatch):
+    """auto's order is cached, and the cache follows (un)registration and table reloads."""
+    before = A.auto_ranking("cpu")
+    spec = A.BackendSpec(name="late_plugin", run=lambda *a, **k: None, description="a plug-in",
+                         devices=("cpu",), dtypes=(torch.float32,), head_dims=(64,), layouts=("bhsd",))
+    A.register_backend(spec)
+    try:
+        assert A.auto_ranking("cpu") == before + ["late_plugin"]
+        table = tmp_path / "auto_table.json"
+        table.write_text(json.dumps({"format": 1, "archs": {"cpu": {"ranking": ["late_plugin"]}}}))
+        monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
+        registry.reload_auto_table()
+        assert A.auto_ranking("cpu")[0] == "late_plugin"
+        A.auto_ranking("cpu").clear()  # callers get a copy
+        assert A.auto_ranking("cpu")[0] == "late_plugin"
+    finally:
+        A.unregister_backend("late_plugin")
+        monkeypatch.delenv(A.ENV_AUTO_TABLE)
+        registry.reload_auto_table()
+    assert A.auto_ranking("cpu") == before
+
+
 def test_auto_logs_choice_once(caplog):
     registry._LOGGED_CHOICES.clear()
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))
