@@ -504,6 +504,36 @@ def test_backend_runs_through_attention(rel_err):
     assert rel_err(out.transpose(1, 2), ref) <= 1e-5
 
 
+def test_backend_launches_directly_in_eager_mode_and_through_the_op_otherwise(monkeypatch):
+    """Eager calls with plain tensors skip the custom op's dispatch; under a dispatch mode (as
+    torch.compile's tracing and fake tensors run) the call goes through the op, with the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import omni_kernels.attention.quantized.ops as sage_ops
+
+    calls = []
+    real = sage_ops.sage_attention_fwd
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])  # the layout
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sage_ops, "sage_attention_fwd", counting)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = dit_like_qkv(gen, (1, 2, 40, 64), torch.float32)
+    eager = attention(q, k, v, backend="omni_sage")
+    assert calls == []
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        through_op = attention(q, k, v, backend="omni_sage")
+    assert calls == ["bhsd"]
+    assert torch.equal(through_op, eager)
+
+
 def test_backend_clear_errors():
     q = torch.randn(1, 2, 16, 64)
     name, reason = select_backend(q, q, q, backend="omni_sage", causal=True)
