@@ -530,7 +530,7 @@ def lossy_min_seq(arch: str) -> dict[str, int]:
     key = (str(auto_table_path()), arch)
     cached = _MIN_SEQ_CACHE.get(key)
     if cached is not None:
-        return cached
+        return dict(cached)  # a copy: the cache stays as read
     raw = _arch_entry(arch).get("lossy_min_seq", {})
     if not isinstance(raw, dict):
         raise ValueError(f"auto table: lossy_min_seq for {arch!r} must be an object; got {raw!r}")
@@ -542,7 +542,7 @@ def lossy_min_seq(arch: str) -> dict[str, int]:
             )
         out[name] = value
     _MIN_SEQ_CACHE[key] = out  # read on every eager "auto" call with lossy allowed
-    return out
+    return dict(out)
 
 
 def auto_ranking(arch: str, *, allow_lossy: bool = False) -> list[str]:

@@ -39,24 +39,24 @@ def _availability(device: torch.device | None) -> str | None:
     return reason
 
 
-def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
+def run_backend(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse,
+                implementation="triton"):
+    """The registry's call, for omni_sage and (``implementation="cuda_sm90"``) omni_sage_sm90."""
+    from omni_kernels.attention.quantized import ops
+
     if eager_launch_allowed(q, k, v, key_lengths):
         # eager: the kernels straight away; the op is for torch.compile and fake tensors, and
         # its dispatch cost ~40 us a call on the H200's host (the call is ~0.45 ms at Flux)
-        from omni_kernels.attention.quantized.attention_kernel import sage_attention_forward
-
-        return sage_attention_forward(q, k, v, layout=layout, scale=scale, key_lengths=key_lengths,
+        return ops.run_sage_attention(q, k, v, layout, scale, key_lengths, implementation,
                                       return_lse=return_lse)
-    from omni_kernels.attention.quantized.ops import sage_attention_fwd
-
-    out, lse = sage_attention_fwd(q, k, v, layout, scale, key_lengths)
+    out, lse = ops.sage_attention_fwd(q, k, v, layout, scale, key_lengths, implementation)
     return (out, lse) if return_lse else out
 
 
 SPEC = register_backend(
     BackendSpec(
         name="omni_sage",
-        run=_run,
+        run=run_backend,
         description="omni's quantized attention: INT8 QK^T, FP8 PV (Triton; lossy)",
         devices=("cuda", "cpu"),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),

@@ -19,10 +19,11 @@ keeps it as one node.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from omni_kernels._triton import eager_launch_allowed, triton_unavailable_reason
+from omni_kernels._triton import triton_unavailable_reason
 from omni_kernels.attention.backends import omni_sage
 from omni_kernels.attention.backends._util import lazy_import
 from omni_kernels.attention.registry import register_backend
@@ -46,19 +47,6 @@ def _availability(device: torch.device | None) -> str | None:
     return module.cuda_sm90_unsupported_reason(device, 128, torch.bfloat16)
 
 
-def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
-    if eager_launch_allowed(q, k, v, key_lengths):
-        # eager: the kernels straight away; the op is for torch.compile and fake tensors, and
-        # its dispatch cost ~40 us a call on the H200's host (the call is ~0.45 ms at Flux)
-        from omni_kernels.attention.quantized.attention_kernel import CUDA_SM90_CONFIG, sage_attention_forward
-
-        return sage_attention_forward(q, k, v, layout=layout, scale=scale, key_lengths=key_lengths,
-                                      return_lse=return_lse, config=CUDA_SM90_CONFIG)
-    from omni_kernels.attention.quantized.ops import sage_attention_fwd
-
-    out, lse = sage_attention_fwd(q, k, v, layout, scale, key_lengths, "cuda_sm90")
-    return (out, lse) if return_lse else out
-
 
 # omni_sage's declaration (layouts, GQA, key lengths, LSE, lossy, not causal), narrowed to
 # what the CUDA kernel takes.
@@ -66,7 +54,7 @@ SPEC = register_backend(
     dataclasses.replace(
         omni_sage.SPEC,
         name="omni_sage_sm90",
-        run=_run,
+        run=functools.partial(omni_sage.run_backend, implementation="cuda_sm90"),
         description="omni's quantized attention: INT8 QK^T, FP8 PV (CUDA wgmma kernel, Hopper; lossy)",
         devices=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),

@@ -36,6 +36,15 @@ def sage_attention_fwd(
     ``"cuda_sm90"`` (the Hopper wgmma kernel, :data:`~.attention_kernel.CUDA_SM90_CONFIG`).
     Not called ``kernel``: Inductor passes the op itself to its fallback as ``kernel=``, and an
     argument of that name breaks the lowering under ``torch.compile``."""
+    out_shape, _ = output_shapes(q, layout)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    return run_sage_attention(q, k, v, layout, scale, key_lengths, implementation, out=out)
+
+
+def run_sage_attention(q, k, v, layout, scale, key_lengths, implementation="triton", *,
+                       return_lse=True, out=None):
+    """The op's body, for eager callers too (without the op's dispatch): ``(out, lse)``, or
+    ``out`` alone when ``return_lse`` is false. ``implementation`` as for the op."""
     from omni_kernels.attention.quantized.attention_kernel import (
         CUDA_SM90_CONFIG,
         KERNELS,
@@ -44,10 +53,8 @@ def sage_attention_fwd(
 
     if implementation not in KERNELS:
         raise ValueError(f"implementation must be one of {KERNELS}; got {implementation!r}")
-    out_shape, _ = output_shapes(q, layout)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     return sage_attention_forward(
-        q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=True, out=out,
+        q, k, v, layout=layout, scale=scale, key_lengths=key_lengths, return_lse=return_lse, out=out,
         config=CUDA_SM90_CONFIG if implementation == "cuda_sm90" else None,
     )
 
@@ -67,4 +74,4 @@ if has_compiled_extension() and hasattr(torch.ops.omni_kernels, "sage_attention_
     torch.library.register_fake("omni_kernels::sage_attention_sm90")(_fake_sage_attention_sm90)
 
 
-__all__ = ["OP_NAME", "sage_attention_fwd"]
+__all__ = ["OP_NAME", "run_sage_attention", "sage_attention_fwd"]
