@@ -553,8 +553,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_barrier_sync(kEpilogueBarrier, kConsumerThreads);
       if (!smem.split_last) return;
       __threadfence();
+      // Merge every part in part order, this one's too (read back): the same sums whichever
+      // part finishes last, so the output's bits do not depend on the order the CTAs ran in.
+      m_lo = m_hi = -1.0e30f;
+      l_lo = l_hi = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) o[i] = 0.0f;
       for (int other = 0; other < parts; ++other) {
-        if (other == part) continue;
         const float* theirs = p.partials + ((item + other) * kBlockM + local_lo) * kSagePartialStride;
         const float* theirs_hi = theirs + 8 * kSagePartialStride;
         // .cg loads: written by other SMs, never cached in this SM's L1

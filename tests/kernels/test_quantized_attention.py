@@ -835,6 +835,12 @@ def test_gpu_cuda_sm90_split_last_wave(kv_splits):
         n = int(lengths[b])
         cos, rel = _subset_errors(split[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
         assert cos >= 0.999 and rel <= 3e-2, f"sample {b}: cosine {cos:.5f}, rel L2 {rel:.3e}"
+    # the merge runs in part order whichever part finishes last: the same bits every run
+    for _ in range(3):
+        again = torch.full_like(q, float("nan"))
+        op(qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+           lengths, qkv.seq_kv, 128 ** -0.5, again, None, kv_splits)
+        _assert_same_bytes(again, split, f"kv_splits={kv_splits}, run to run")
     with pytest.raises(RuntimeError, match="kv_splits must be"):
         op(qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
            lengths, qkv.seq_kv, 128 ** -0.5, whole, None, 9)
