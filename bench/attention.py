@@ -20,6 +20,9 @@ shape with the constraint it violates; the run goes on.
   shapes with ``Sq * Skv <= --accuracy-max-scores`` (default: all but Wan 720p
   and HunyuanVideo).
 * dispatch us: host time of omni's backend selection per call (no GPU work).
+* GPU clock and power: ``nvidia-smi`` samples (``_gpu_telemetry.py``) while each row is timed,
+  for rows timed long enough (the video shapes): an H200 at its 700 W cap lowers the clock, and
+  there a speed ratio between two capped kernels is a ratio of their energy per unit of work.
 
 Output: ``<out-dir>/attention_<device>_<YYYYMMDD>.json`` and ``.md`` with the
 commit, device, versions and the exact command; the markdown is printed last.
@@ -59,6 +62,7 @@ from pathlib import Path
 import torch
 
 from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
+from _gpu_telemetry import GpuTelemetry  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -271,8 +275,13 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
             if ref is not None:
                 row["rel_err"] = _relative_error(out, ref)
             del out
-            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+            with GpuTelemetry(q.device) as telemetry:
+                ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
             row["median_ms"] = ms
+            if telemetry.summary() is not None:
+                row["gpu"] = telemetry.summary()
+            elif telemetry.error is not None:
+                row["gpu_error"] = telemetry.error
             row["tflops"] = shape.flops / (ms * 1e-3) / 1e12
             row["dispatch_us"] = _dispatch_us(name, q, k, v, layout)
             row["status"] = "ok"
@@ -361,9 +370,26 @@ def _markdown(env, shapes, backends, rows, unavailable, table_entry) -> str:
     if dispatch:
         lines += ["", "Dispatch (backend selection, host) us per call: "
                   + ", ".join(f"{b} {statistics.median(v):.0f}" for b, v in dispatch.items())]
+    lines += _telemetry_lines(rows)
     if table_entry is not None:
         lines += ["", f"auto table ({env['arch']}): " + " > ".join(table_entry["ranking"])]
     return "\n".join(lines)
+
+
+def _telemetry_lines(rows) -> list[str]:
+    """A table of the SM clock and power sampled while each row was timed (rows timed for long
+    enough to sample; at the power cap a speed ratio is a ratio of energy per unit of work)."""
+    sampled = [r for r in rows if r.get("gpu")]
+    if not sampled:
+        return []
+    lines = ["", "## GPU clock and power while timing (nvidia-smi, medians)", "",
+             "| shape | backend | SM clock (MHz) | power (W) | under the power cap | samples |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in sampled:
+        g = r["gpu"]
+        lines.append(f"| {r['shape']} | {r['backend']} | {g['sm_clock_mhz']:.0f} | {g['power_w']:.0f} | "
+                     f"{100 * g['power_capped_share']:.0f}% | {g['samples']} |")
+    return lines
 
 
 def _table_entry(env, shapes, rows, include_lossy: bool, previous: dict | None) -> dict:
