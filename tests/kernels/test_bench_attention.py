@@ -3,15 +3,9 @@ entry it writes (the timings themselves need a GPU)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 from omni_kernels.attention import registry
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 ENV = dict(device="NVIDIA H200", arch="sm90", utc="2026-12-01T00:00:00+00:00", git_commit="abc1234",
            torch="2.11.0+cu130", cuda="13.0", cudnn=91900, python="3.12.3", packages={"triton": "3.6.0"},
@@ -19,11 +13,8 @@ ENV = dict(device="NVIDIA H200", arch="sm90", utc="2026-12-01T00:00:00+00:00", g
 
 
 @pytest.fixture(scope="module")
-def bench():
-    # bench/ on the path, as when the script runs: it imports bench/_environment.py by that name
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("attention")
+def bench(bench_module):
+    return bench_module("attention")
 
 
 def _rows(bench, ratios: dict[str, list[float | None]]):

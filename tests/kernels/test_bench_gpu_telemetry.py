@@ -3,21 +3,13 @@ manager without a GPU, and bench/attention.py's table of the samples."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def telemetry():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("_gpu_telemetry")
+def telemetry(bench_module):
+    return bench_module("_gpu_telemetry")
 
 
 # As nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active
@@ -69,8 +61,8 @@ def test_interval_below_nvidia_smi_floor_is_refused(telemetry):
         telemetry.GpuTelemetry(torch.device("cpu"), interval_ms=5)
 
 
-def test_attention_bench_tables_the_sampled_rows(telemetry):
-    attention = importlib.import_module("attention")
+def test_attention_bench_tables_the_sampled_rows(bench_module):
+    attention = bench_module("attention")
     gpu = dict(samples=17, sm_clock_mhz=1905.0, power_w=691.2, power_capped_share=1.0,
                reasons=["SW power cap"])
     rows = [dict(shape="hunyuanvideo-720p", backend="sdpa_cudnn", status="ok", gpu=gpu),

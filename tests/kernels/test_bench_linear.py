@@ -3,21 +3,12 @@ GPU): the opt-in modulation GEMV shapes leave the default run as it was."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    # bench/ on the path, as when the script runs: it imports bench/_environment.py by that name
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("linear")
+def bench(bench_module):
+    return bench_module("linear")
 
 
 def test_default_shapes_unchanged_and_modulation_shapes_opt_in(bench):
