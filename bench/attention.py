@@ -278,8 +278,9 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
             with GpuTelemetry(q.device) as telemetry:
                 ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
             row["median_ms"] = ms
-            if telemetry.summary() is not None:
-                row["gpu"] = telemetry.summary()
+            gpu = telemetry.summary()
+            if gpu is not None:
+                row["gpu"] = gpu
             elif telemetry.error is not None:
                 row["gpu_error"] = telemetry.error
             row["tflops"] = shape.flops / (ms * 1e-3) / 1e12

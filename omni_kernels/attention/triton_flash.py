@@ -376,16 +376,19 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device when it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def cuda_capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability, cached (asked on every eager call)."""
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def _is_hopper(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] == 9
+    return device.type == "cuda" and cuda_capability(cuda_index(device))[0] == 9
 
 
 def default_config(

@@ -581,7 +581,9 @@ def test_gpu_without_fp8_message(monkeypatch):
         is_cuda = True
 
     q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    # the kernel module's cached lookup, faked (patching torch's query would leave a cached
+    # real or fake capability behind for other tests on a GPU machine)
+    monkeypatch.setattr(attention_kernel, "cuda_capability", lambda index: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

@@ -6,7 +6,8 @@ block, V FP8 e4m3 per channel, P in FP8 with two-level accumulation). Called
 through the ``torch.library`` op ``omni_kernels::sage_attention_fwd``
 (:mod:`omni_kernels.attention.quantized.ops`), so ``torch.compile`` keeps it
 as one node; in eager mode with plain tensors the kernels are launched directly
-(the op's dispatch cost ~40 us a call on the H200's host). Quantization runs inside every call (its cost is in the timing).
+(the op's dispatch cost ~40 us a call on the H200's host). Quantization runs
+inside every call (its cost is in the timing).
 
 Takes both layouts through strides, GQA, ``key_lengths``, log-sum-exp; not
 causal, no arbitrary masks, forward only. Head dims 64 and 128. Needs FP8

@@ -53,7 +53,7 @@ from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavai
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
-from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
+from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides, cuda_capability, cuda_index
 
 try:  # host-built TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -297,21 +297,11 @@ MAX_KV_SPLITS = 8  # csrc/attention/sage_sm90_params.h's kSageMaxSplits
 CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    """CUDA device ``index``'s compute capability (cached: asked on every eager call)."""
-    return tuple(torch.cuda.get_device_capability(index))
-
-
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def cuda_sm90_unsupported_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
     """None when ``SageConfig(kernel="cuda_sm90")`` can run on ``device`` with this head_dim and
     dtype, else why not (what is missing). Shapes are checked by :func:`unsupported_reason`."""
     device = torch.device(device)
-    index = _cuda_index(device) if device.type == "cuda" else -1
+    index = cuda_index(device) if device.type == "cuda" else -1
     return _cuda_sm90_reason(device.type, index, head_dim, dtype)
 
 
@@ -327,7 +317,7 @@ def _cuda_sm90_reason(device_type: str, index: int, head_dim: int, dtype: torch.
                 "(a ROCm build, or one older than the kernel): rebuild the extension")
     if device_type != "cuda":
         return f"the cuda_sm90 kernel runs on CUDA tensors; got {device_type}"
-    cap = _capability(index)
+    cap = cuda_capability(index)
     if cap[0] != 9:
         return (f"the cuda_sm90 kernel needs a Hopper GPU (compute capability 9.0: wgmma, TMA); "
                 f"{torch.cuda.get_device_name(index)} has {cap[0]}.{cap[1]}")
@@ -360,7 +350,7 @@ def default_config(head_dim: int, device: torch.device | str | None = None) -> S
         return _INTERPRETER_CONFIG
     device = torch.device(device) if device is not None else None
     if head_dim == 128 and device is not None and device.type == "cuda":
-        if _capability(_cuda_index(device))[0] == 9:
+        if cuda_capability(cuda_index(device))[0] == 9:
             return _HOPPER_D128_CONFIG
     return _FALLBACK_CONFIG
 
@@ -394,8 +384,8 @@ def unsupported_reason(q, k, v, layout: str) -> str | None:
     if hk == 0 or hq % hk:
         return f"query heads ({hq}) must be a multiple of key/value heads ({hk})"
     if q.is_cuda:
-        index = _cuda_index(q.device)
-        cap = _capability(index)
+        index = cuda_index(q.device)
+        cap = cuda_capability(index)
         if cap < MIN_CAPABILITY:
             return (
                 f"needs FP8 tensor cores (compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
