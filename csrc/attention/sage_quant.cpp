@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
-#include <algorithm>
 #include <limits>
 
 #include "../ops.h"
@@ -15,9 +14,6 @@ namespace {
 constexpr const char* kOp = "sage_quantize_qkv";
 constexpr int64_t kHeadDim = 128;
 constexpr int64_t kBlock = 128;
-constexpr int64_t kStatsProgramsPerSm = 8;  // enough loads in flight to stream K/V (quantize.py)
-constexpr int64_t kStatsMinChunk = 256;
-constexpr int64_t kStatsRowMultiple = 64;
 
 // [B, H, S, D] view of a bhsd or bshd tensor.
 torch::Tensor bhsd_view(const torch::Tensor& t, bool bshd) { return bshd ? t.transpose(1, 2) : t; }
@@ -79,22 +75,11 @@ std::vector<torch::Tensor> sage_quantize_qkv(const torch::Tensor& q_in, const to
   auto q_kmean = torch::empty({batch, heads, seq_q}, f32);
   auto k_int8 = torch::empty({batch, kv_heads, seq_kv_pad, kHeadDim}, options.dtype(torch::kChar));
   auto k_scale = torch::empty({batch, kv_heads, blocks}, f32);
+  // written by the first launch (K's sample mean), read by the second
+  auto k_mean = torch::empty({batch, kv_heads, kHeadDim}, f32);
   auto v_fp8 = torch::empty({batch, kv_heads, kHeadDim, seq_kv_pad},
                             options.dtype(at::ScalarType::Float8_e4m3fn));
-  const int64_t num_bh = batch * kv_heads;
-  auto stats = torch::empty({3, num_bh, kHeadDim}, f32);
-
-  // Chunks of keys for the statistics: ~8 programs an SM over all heads, at least 256 keys.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t chunks_wanted =
-      std::max<int64_t>(1, (kStatsProgramsPerSm * sms + std::max<int64_t>(num_bh, 1) - 1) /
-                               std::max<int64_t>(num_bh, 1));
-  int64_t chunk_len = (std::max<int64_t>(seq_kv, 1) + chunks_wanted - 1) / chunks_wanted;
-  chunk_len = (chunk_len + kStatsRowMultiple - 1) / kStatsRowMultiple * kStatsRowMultiple;
-  chunk_len = std::max(chunk_len, kStatsMinChunk);
-  const int64_t chunks = std::max<int64_t>(1, (seq_kv + chunk_len - 1) / chunk_len);
-  auto partials = torch::empty({num_bh, chunks, 2, kHeadDim}, f32);
-  auto tickets = torch::zeros({num_bh}, options.dtype(torch::kInt));
+  auto v_scale = torch::empty({batch, kv_heads, blocks}, f32);  // one per key block
 
   omni::attention::SageQuantParams p{};
   p.q = q.data_ptr();
@@ -106,20 +91,16 @@ std::vector<torch::Tensor> sage_quantize_qkv(const torch::Tensor& q_in, const to
   p.key_lengths = key_lengths.has_value() ? key_lengths->data_ptr<int32_t>() : nullptr;
   p.shape = omni::attention::make_sage_shape(batch, heads, kv_heads, seq_q, seq_kv, seq_kv_pad);
   p.permute_v = permute_v;
-  p.chunks = static_cast<int>(chunks);
-  p.chunk_len = static_cast<int>(chunk_len);
-  p.partials = partials.data_ptr<float>();
-  p.tickets = tickets.data_ptr<int32_t>();
-  p.stats = stats.data_ptr<float>();
   p.q_int8 = q_int8.data_ptr<int8_t>();
   p.q_scale = q_scale.data_ptr<float>();
   p.q_kmean = q_kmean.data_ptr<float>();
   p.k_int8 = k_int8.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
+  p.k_mean = k_mean.data_ptr<float>();
   p.v_fp8 = static_cast<uint8_t*>(v_fp8.data_ptr());
+  p.v_scale = v_scale.data_ptr<float>();
   const cudaError_t err = omni::attention::launch_sage_quantize(
       p, dtype == torch::kBFloat16, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, kOp, ": launch failed: ", cudaGetErrorString(err));
-  return {q_int8, q_scale, q_kmean, k_int8, k_scale, stats[0].view({batch, kv_heads, kHeadDim}),
-          v_fp8, stats[2].view({batch, kv_heads, kHeadDim})};
+  return {q_int8, q_scale, q_kmean, k_int8, k_scale, k_mean, v_fp8, v_scale};
 }

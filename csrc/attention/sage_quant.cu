@@ -1,20 +1,21 @@
 // Quantization of Q, K and V for the Hopper quantized attention kernel (sage_sm90.cu), in CUDA:
-// the bytes of omni_kernels/attention/quantized/reference.py's quantize_qkv_reference (and of the
-// Triton quantizer, quantize.py), head_dim 128, key blocks of 128, from fp16/bf16 inputs read
-// through [B, H, S, D] strides. Two launches behind one host call (no Python between them):
+// the bytes of omni_kernels/attention/quantized/reference.py's quantize_qkv_reference (but for
+// k_mean's summation order), head_dim 128, key blocks of 128, from fp16/bf16 inputs read through
+// [B, H, S, D] strides. Two launches behind one host call (no Python between them):
 //
-// 1. kv_stats_kernel, grid (chunks, B * Hkv): each block reduces a chunk of keys to float32
-//    column sums of K and column maxima of |V|, writes them as partials and takes a ticket from
-//    its head's counter; the head's last block adds the partials up in chunk order
-//    (deterministic) and writes k_mean, 448 / vmax and vmax / 448.
+// 1. k_mean_kernel, one block a kv head: the mean of K's strided sample (reference.k_mean_stride:
+//    every key below 1024 keys, else 342 to 1023 of them, ~512), summed in a fixed order
+//    (deterministic). It reads no V.
 // 2. qkv_codes_kernel, one 1-D grid: Q blocks of 64 rows (INT8 per token, and q . k_mean from the
 //    unquantized q), then K/V blocks of 128 keys (K minus its mean to INT8 with one scale a
-//    block; V to FP8 e4m3 with its per-channel scale, transposed to [D, Skv_pad] through shared
+//    block; V to FP8 e4m3 with one scale a block, transposed to [D, Skv_pad] through shared
 //    memory, keys optionally permuted in groups of 16 as sage_sm90.cu's P fragments need).
+//    Every Q, K and V element is read once, here (K's sample also in 1.): a block's scales
+//    need only that block.
 //
-// Every rounding matches the reference: correctly rounded divisions (127 / amax, 448 / vmax,
-// the scales), round half away from zero for INT8 (floor-based, immune to fma contraction),
-// round to nearest even with saturation for FP8.
+// Every rounding matches the reference: correctly rounded divisions (127 / amax, 448 / amax,
+// the scales, the mean), round half away from zero for INT8 (floor-based, immune to fma
+// contraction), round to nearest even with saturation for FP8.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -33,6 +34,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kQRows = 64;       // query rows a Q block
 constexpr int kKeys = 128;       // keys a K/V block (= the attention kernel's tile)
 constexpr int kStagedRowBytes = kD + 4;  // V tile rows in shared memory, padded: no bank conflicts
+constexpr int kMeanSamples = 512;        // reference.K_MEAN_SAMPLES
+constexpr int kMeanBatch = 16;           // sample rows a warp loads before adding: loads in flight
 
 __device__ __forceinline__ void load4(const __half* p, float (&v)[4]) {
   const uint2 raw = *reinterpret_cast<const uint2*>(p);
@@ -78,68 +81,48 @@ __device__ __forceinline__ int kv_length(const SageQuantParams& p, int b) {
   return p.key_lengths == nullptr ? p.shape.seq_kv : min(max(p.key_lengths[b], 0), p.shape.seq_kv);
 }
 
+// k_mean of kv head blockIdx.x: the mean of keys 0, r, 2r, ... below kv_len with
+// r = max(1, kv_len / 512) | 1 (reference.k_mean_stride). Warp w sums sample rows w, w + 8, ...;
+// the warps' sums are then added in warp order: the same bits on every run.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) kv_stats_kernel(const SageQuantParams p) {
-  __shared__ float ksum_shared[kWarps][kD];
-  __shared__ float vmax_shared[kWarps][kD];
-  __shared__ int last_shared;
-  const int chunk = blockIdx.x;
-  const int bh = blockIdx.y;  // b * Hkv + h
+__global__ void __launch_bounds__(kThreads) k_mean_kernel(const SageQuantParams p) {
+  __shared__ __align__(16) float ksum_shared[kWarps][kD];
+  const int bh = blockIdx.x;  // b * Hkv + h
   const int b = bh / p.shape.kv_heads, h = bh % p.shape.kv_heads;
   const int kv_len = kv_length(p, b);
+  const int stride = max(1, kv_len / kMeanSamples) | 1;
+  const int count = (kv_len + stride - 1) / stride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + 4 * lane;
-  const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + 4 * lane;
   float ksum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float vmax[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const int end = min(kv_len, (chunk + 1) * p.chunk_len);
-  for (int row = chunk * p.chunk_len + warp; row < end; row += kWarps) {
-    float kv[4], vv[4];
-    load4(k_head + row * p.k_ss, kv);
-    load4(v_head + row * p.v_ss, vv);
+  for (int first = warp; first < count; first += kWarps * kMeanBatch) {
+    // all of a batch's loads before its adds: ~1000 rows over 8 warps is latency-bound otherwise
+    float x[kMeanBatch][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      ksum[i] += kv[i];
-      vmax[i] = fmaxf(vmax[i], fabsf(vv[i]));
+    for (int i = 0; i < kMeanBatch; ++i) {
+      const int s = first + kWarps * i;
+      if (s < count) {
+        load4(k_head + static_cast<int64_t>(s) * stride * p.k_ss, x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[i][j] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMeanBatch; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) ksum[j] += x[i][j];
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    ksum_shared[warp][4 * lane + i] = ksum[i];
-    vmax_shared[warp][4 * lane + i] = vmax[i];
-  }
+  *reinterpret_cast<float4*>(&ksum_shared[warp][4 * lane]) =
+      make_float4(ksum[0], ksum[1], ksum[2], ksum[3]);
   __syncthreads();
-  float* part = p.partials + (static_cast<int64_t>(bh) * p.chunks + chunk) * 2 * kD;
   if (threadIdx.x < kD) {
-    float s = 0.0f, m = 0.0f;
+    float s = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      s += ksum_shared[w][threadIdx.x];
-      m = fmaxf(m, vmax_shared[w][threadIdx.x]);
-    }
-    part[threadIdx.x] = s;
-    part[kD + threadIdx.x] = m;
-  }
-  // The partials are visible device-wide before the ticket says so (release), and the last
-  // block reads everyone's after taking it (acquire).
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last_shared = atomicAdd(p.tickets + bh, 1) == p.chunks - 1;
-  __syncthreads();
-  if (!last_shared) return;
-  __threadfence();
-  if (threadIdx.x < kD) {
-    float s = 0.0f, m = 0.0f;
-    for (int c = 0; c < p.chunks; ++c) {  // chunk order: the same sums on every run
-      const float* other = p.partials + (static_cast<int64_t>(bh) * p.chunks + c) * 2 * kD;
-      s += __ldcg(other + threadIdx.x);  // from L2: L1 is not coherent with the other blocks
-      m = fmaxf(m, __ldcg(other + kD + threadIdx.x));
-    }
-    const int64_t num_bh = static_cast<int64_t>(p.shape.batch) * p.shape.kv_heads;
-    const float count = static_cast<float>(max(kv_len, 1));
-    p.stats[static_cast<int64_t>(bh) * kD + threadIdx.x] = __fdiv_rn(s, count);
-    p.stats[(num_bh + bh) * kD + threadIdx.x] = inverse_scale(m, 448.0f);
-    p.stats[(2 * num_bh + bh) * kD + threadIdx.x] = __fdiv_rn(m, 448.0f);
+    for (int w = 0; w < kWarps; ++w) s += ksum_shared[w][threadIdx.x];
+    p.k_mean[static_cast<int64_t>(bh) * kD + threadIdx.x] =
+        __fdiv_rn(s, static_cast<float>(max(count, 1)));
   }
 }
 
@@ -150,7 +133,7 @@ __device__ void quantize_q_block(const SageQuantParams& p, int blk, int bh) {
   const int kv_bh = b * p.shape.kv_heads + h / (p.shape.heads / p.shape.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* q_head = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + 4 * lane;
-  const float* k_mean = p.stats + static_cast<int64_t>(kv_bh) * kD + 4 * lane;
+  const float* k_mean = p.k_mean + static_cast<int64_t>(kv_bh) * kD + 4 * lane;
   const float4 km = *reinterpret_cast<const float4*>(k_mean);
   for (int r = warp; r < kQRows; r += kWarps) {
     const int row = blk * kQRows + r;
@@ -172,19 +155,17 @@ __device__ void quantize_q_block(const SageQuantParams& p, int blk, int bh) {
   }
 }
 
-// Keys [blk * 128, +128) of kv head bh: K smoothed to INT8 (one scale), V^T to FP8.
+// Keys [blk * 128, +128) of kv head bh: K smoothed to INT8 (one scale), V^T to FP8 (one scale);
+// each K and V row is loaded once. reduce_shared: 2 * kWarps floats.
 template <typename T>
 __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uint8_t* v_staged,
                                   float* reduce_shared) {
   const int b = bh / p.shape.kv_heads, h = bh % p.shape.kv_heads;
   const int kv_len = kv_length(p, b);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t num_bh = static_cast<int64_t>(p.shape.batch) * p.shape.kv_heads;
-  const float4 km = *reinterpret_cast<const float4*>(p.stats + static_cast<int64_t>(bh) * kD + 4 * lane);
-  const float4 vinv =
-      *reinterpret_cast<const float4*>(p.stats + (num_bh + bh) * kD + 4 * lane);
+  const int nblk = p.shape.seq_kv_pad / kKeys;
+  const float4 km = *reinterpret_cast<const float4*>(p.k_mean + static_cast<int64_t>(bh) * kD + 4 * lane);
   const float kmean[4] = {km.x, km.y, km.z, km.w};
-  const float vscale[4] = {vinv.x, vinv.y, vinv.z, vinv.w};
   const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + 4 * lane;
   const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + 4 * lane;
   constexpr int kRowsPerWarp = kKeys / kWarps;
@@ -222,26 +203,44 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
     for (int j = 0; j < 4; ++j) word |= round_half_away_byte(__fmul_rn(kc[i][j], inv)) << (8 * j);
     reinterpret_cast<uint32_t*>(p.k_int8 + (static_cast<int64_t>(bh) * p.shape.seq_kv_pad + key) * kD)[lane] = word;
   }
-  if (threadIdx.x == 0) {
-    p.k_scale[static_cast<int64_t>(bh) * (p.shape.seq_kv_pad / kKeys) + blk] = __fdiv_rn(amax, 127.0f);
-  }
+  if (threadIdx.x == 0) p.k_scale[static_cast<int64_t>(bh) * nblk + blk] = __fdiv_rn(amax, 127.0f);
 
-  // ---- V: per-channel FP8 scale; staged as [key][d] bytes, written as [d][key]
-#pragma unroll 4
+  // ---- V: the block's rows in registers (K's are dead by now), one FP8 scale from their
+  // maximum (padding keys: +0, outside it), staged as [key][d] bytes, written as [d][key]
+  float vr[kRowsPerWarp][4];
+  float vmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int key = blk * kKeys + warp + kWarps * i;
+    if (key < kv_len) {
+      load4(v_head + key * p.v_ss, vr[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vr[i][j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) vmax = fmaxf(vmax, fabsf(vr[i][j]));
+  }
+  vmax = warp_max(vmax);
+  // K's slots may still be read by a slower warp: V takes the next kWarps
+  if (lane == 0) reduce_shared[kWarps + warp] = vmax;
+  __syncthreads();
+  vmax = reduce_shared[kWarps];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) vmax = fmaxf(vmax, reduce_shared[kWarps + w]);
+  const float vinv = inverse_scale(vmax, 448.0f);
+#pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp + kWarps * i;
-    const int key = blk * kKeys + r;
-    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // padding keys: +0, byte 0x00
-    if (key < kv_len) {
-      float x[4];
-      load4(v_head + key * p.v_ss, x);
+    // padding rows are +0: +0 * vinv is +0, byte 0x00
+    float y[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) y[j] = fminf(fmaxf(__fmul_rn(x[j], vscale[j]), -448.0f), 448.0f);
-    }
+    for (int j = 0; j < 4; ++j) y[j] = fminf(fmaxf(__fmul_rn(vr[i][j], vinv), -448.0f), 448.0f);
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
     reinterpret_cast<uint32_t*>(v_staged + r * kStagedRowBytes)[lane] = lo | (hi << 16);
   }
+  if (threadIdx.x == 0) p.v_scale[static_cast<int64_t>(bh) * nblk + blk] = __fdiv_rn(vmax, 448.0f);
   __syncthreads();
   // 128 rows of V^T (channel d) x 8 groups of 16 keys; consecutive threads take consecutive d
   // (the staged bytes of one key then sit in distinct banks).
@@ -264,7 +263,7 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
 template <typename T>
 __global__ void __launch_bounds__(kThreads) qkv_codes_kernel(const SageQuantParams p) {
   __shared__ __align__(16) uint8_t v_staged[kKeys * kStagedRowBytes];
-  __shared__ float reduce_shared[kWarps];
+  __shared__ float reduce_shared[2 * kWarps];
   const int64_t pid = blockIdx.x;
   const int q_blocks = (p.shape.seq_q + kQRows - 1) / kQRows;
   const int64_t q_programs = static_cast<int64_t>(q_blocks) * p.shape.batch * p.shape.heads;
@@ -280,8 +279,8 @@ __global__ void __launch_bounds__(kThreads) qkv_codes_kernel(const SageQuantPara
 
 template <typename T>
 cudaError_t launch_typed(const SageQuantParams& p, cudaStream_t stream) {
-  const dim3 stats_grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(p.shape.batch * p.shape.kv_heads));
-  if (stats_grid.y > 0) kv_stats_kernel<T><<<stats_grid, kThreads, 0, stream>>>(p);
+  const int64_t kv_bh = static_cast<int64_t>(p.shape.batch) * p.shape.kv_heads;
+  if (kv_bh > 0) k_mean_kernel<T><<<static_cast<unsigned>(kv_bh), kThreads, 0, stream>>>(p);
   const int64_t q_blocks = (p.shape.seq_q + kQRows - 1) / kQRows;
   const int64_t programs = q_blocks * p.shape.batch * p.shape.heads +
                            static_cast<int64_t>(p.shape.seq_kv_pad / kKeys) * p.shape.batch * p.shape.kv_heads;

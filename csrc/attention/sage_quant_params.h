@@ -23,19 +23,16 @@ struct SageQuantParams {
   const int32_t* key_lengths;  // [B] or nullptr: keys >= key_lengths[b] are padding
   SageShape shape;
   bool permute_v;  // V^T's keys in groups of 16 permuted for sage_sm90.cu
-  // K/V statistics: `chunks` blocks of `chunk_len` keys per kv head.
-  int chunks;
-  int chunk_len;
-  float* partials;   // [B * Hkv, chunks, 2, 128] scratch
-  int32_t* tickets;  // [B * Hkv], zero on entry
-  float* stats;      // [3, B * Hkv, 128]: k_mean, 448 / vmax, vmax / 448
-  // Outputs (contiguous): QuantizedQKV's tensors.
+  // Outputs (contiguous): QuantizedQKV's tensors. k_mean is written by the first launch and
+  // read by the second.
   int8_t* q_int8;    // [B, Hq, Sq, 128]
   float* q_scale;    // [B, Hq, Sq]
   float* q_kmean;    // [B, Hq, Sq]
   int8_t* k_int8;    // [B, Hkv, Skv_pad, 128]
   float* k_scale;    // [B, Hkv, Skv_pad / 128]
+  float* k_mean;     // [B, Hkv, 128]: mean of K's strided sample
   uint8_t* v_fp8;    // [B, Hkv, 128, Skv_pad] (float8_e4m3fn bytes)
+  float* v_scale;    // [B, Hkv, Skv_pad / 128]: one per key block
 };
 
 cudaError_t launch_sage_quantize(const SageQuantParams& params, bool bfloat16, cudaStream_t stream);

@@ -71,7 +71,8 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                {batch, kv_heads, seq_kv_pad / kSageBlockN}, q_int8);
   check_tensor(v_fp8, "v_fp8", at::ScalarType::Float8_e4m3fn,
                {batch, kv_heads, kSageHeadDim, seq_kv_pad}, q_int8);
-  check_tensor(v_scale, "v_scale", at::ScalarType::Float, {batch, kv_heads, kSageHeadDim}, q_int8);
+  check_tensor(v_scale, "v_scale", at::ScalarType::Float,
+               {batch, kv_heads, seq_kv_pad / kSageBlockN}, q_int8);
   if (key_lengths.has_value()) {
     check_tensor(*key_lengths, "key_lengths", at::ScalarType::Int, {batch}, q_int8);
   }

@@ -5,8 +5,12 @@
 // the FP8 MMA's own accumulator keeps ~14 bits and never sums across blocks). The softmax's
 // row sums come from the same MMA: each V^T stage carries 8 rows of ones after its 128, so the
 // m64n136 product returns P's row sums beside P V (one FADD a score fewer; the softmax bounds
-// the kernel), summed over the FP8-rounded P that multiplies V. The math is
-// omni_kernels/attention/quantized/reference.py's, step for step, with row_sums="fp8".
+// the kernel), summed over the FP8-rounded P that multiplies V. V has one scale a key block;
+// the accumulator's P V columns are kept in units of u, the latest nonzero block scale, so the
+// fold stays one FMA an element: o = o * (alpha * u / v_scale_j) + pv, then u = v_scale_j (a
+// zero-scale block, whose pv is 0, keeps u); the row sums take alpha alone; the epilogue writes
+// o * u / l. The math is omni_kernels/attention/quantized/reference.py's, step for step (but
+// for where the unit trick applies V's scales), with row_sums="fp8".
 //
 // A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
 //   * warpgroup 0, the producer: one thread issues TMA loads (Q once; K and V^T tiles of 128 keys
@@ -20,7 +24,8 @@
 //
 // A partial last wave (sage_split_plan in sage_sm90_params.h): its query blocks run as a second
 // launch (the kSplit instantiation), each cut into key ranges, one CTA each; a part stores its
-// unnormalized accumulator, running max and row sum, and the part that finishes last (a counter
+// unnormalized accumulator (times its u: in V's real units, so parts of different units merge
+// as they are), running max and row sum, and the part that finishes last (a counter
 // per block) merges the others' and writes the output and LSE.
 //
 // P as an A operand: a thread's float32 accumulator holds, per 8-column chunk c, the columns
@@ -363,12 +368,16 @@ __device__ __forceinline__ void pack_p(const float (&pf)[64], uint32_t (&pa)[4][
   }
 }
 
-// o = o * alpha + pv, alpha per row (lo: row g, hi: row g + 8); o[64..67] are the running row
-// sums l (the online softmax's l = l * alpha + sum, in the same FMAs).
+// o = o * alpha + pv, alpha per row (lo: row g, hi: row g + 8); the P V columns o[0..63] also
+// change units (unit_ratio = u_old / u_new, see the file's header), while o[64..67], the running
+// row sums l (the online softmax's l = l * alpha + sum, in the same FMAs), take alpha alone.
 __device__ __forceinline__ void fold(float (&o)[68], const float (&pv)[68], float alpha_lo,
-                                     float alpha_hi) {
+                                     float alpha_hi, float unit_ratio) {
+  const float scale_lo = alpha_lo * unit_ratio, scale_hi = alpha_hi * unit_ratio;
 #pragma unroll
-  for (int i = 0; i < 68; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
+  for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? scale_hi : scale_lo, pv[i]);
+#pragma unroll
+  for (int i = 64; i < 68; ++i) o[i] = fmaf(o[i], (i / 2) % 2 ? alpha_hi : alpha_lo, pv[i]);
 }
 
 #endif  // OMNI_SAGE_SM90_DEVICE
@@ -469,11 +478,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t q_index = static_cast<int64_t>(bh) * p.shape.seq_q;
     const float q_scale_lo = row_lo < p.shape.seq_q ? p.q_scale[q_index + row_lo] : 0.0f;
     const float q_scale_hi = row_hi < p.shape.seq_q ? p.q_scale[q_index + row_hi] : 0.0f;
-    const float* k_scale =
-        p.k_scale + static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN) + j_begin;
+    const int64_t scale_index =
+        static_cast<int64_t>(kv_bh) * (p.shape.seq_kv_pad / kSageBlockN) + j_begin;
+    const float* k_scale = p.k_scale + scale_index;
+    const float* v_scale = p.v_scale + scale_index;
 
     RowSoftmax rows{q_scale_lo, q_scale_hi};
-    float o[68];  // P V and, in o[64..67], the row sums
+    float o[68];  // P V (in units of u) and, in o[64..67], the row sums
+    float u = 0.0f;  // the latest nonzero V block scale (0: none yet, and o[0..63] are 0)
 #pragma unroll
     for (int i = 0; i < 68; ++i) o[i] = 0.0f;
 
@@ -512,8 +524,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_operands(s);
     }
-    // K's scale is loaded a block ahead: the softmax needs it first thing.
+    // K's scale is loaded a block ahead: the softmax needs it first thing. V's too, so its
+    // load's latency never sits before the fold.
     float k_scale_next = num_n_blocks > 0 ? __ldg(k_scale) : 0.0f;
+    float v_scale_next = num_n_blocks > 0 ? __ldg(v_scale) : 0.0f;
     for (int j = 0; j < num_n_blocks; ++j) {
       const int stage = j % kStages;
       const uint32_t parity = (j / kStages) & 1;
@@ -525,6 +539,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           !has_next || mbar_test(&smem.k_full[next_stage], ((j + 1) / kStages) & 1);
       const float k_factor = k_scale_next * p.qk_scale;
       k_scale_next = __ldg(k_scale + min(j + 1, num_n_blocks - 1));
+      // A zero-scale block (its V and pv are 0) keeps the units; u == 0 gives ratio 0 on an o
+      // that is still 0. One division a block, shared by both rows.
+      const float vs = v_scale_next;
+      v_scale_next = __ldg(v_scale + min(j + 1, num_n_blocks - 1));
+      const float unit_ratio = vs > 0.0f ? __fdividef(u, vs) : 1.0f;
+      if (vs > 0.0f) u = vs;
       if ((j_begin + j + 1) * kSageBlockN > kv_len) {
         rows.template exps<true>(s, pf, j_begin + j, kv_len, k_factor, t, alpha_lo, alpha_hi);
       } else {
@@ -547,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_operands(pv);
       mbar_arrive(&smem.kv_empty[stage]);  // V^T of this stage is no longer read (K may be,
                                            // by the discarded last Q K^T: no load follows it)
-      fold(o, pv, alpha_lo, alpha_hi);
+      fold(o, pv, alpha_lo, alpha_hi, unit_ratio);
       wgmma_wait<0>();
       fence_operands(s);
     }
@@ -562,8 +582,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int c = 0; c < 16; ++c) {
         const int col = 8 * c + 2 * t;
-        *reinterpret_cast<float2*>(mine + col) = make_float2(o[4 * c], o[4 * c + 1]);
-        *reinterpret_cast<float2*>(mine_hi + col) = make_float2(o[4 * c + 2], o[4 * c + 3]);
+        *reinterpret_cast<float2*>(mine + col) = make_float2(o[4 * c] * u, o[4 * c + 1] * u);
+        *reinterpret_cast<float2*>(mine_hi + col) =
+            make_float2(o[4 * c + 2] * u, o[4 * c + 3] * u);
       }
       if (t == 0) {
         *reinterpret_cast<float2*>(mine + 128) = make_float2(m_lo, l_lo);
@@ -581,6 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // part finishes last, so the output's bits do not depend on the order the CTAs ran in.
       m_lo = m_hi = -1.0e30f;
       l_lo = l_hi = 0.0f;
+      u = 1.0f;  // the parts are stored in V's real units
 #pragma unroll
       for (int i = 0; i < 64; ++i) o[i] = 0.0f;
       for (int other = 0; other < parts; ++other) {
@@ -608,22 +630,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         m_hi = new_hi;
       }
     }
-    // ---- epilogue: out = acc * v_scale / l; lse with K's mean added back
-    const float inv_lo = l_lo > 0.0f ? 1.0f / l_lo : 0.0f;  // acc is 0 where l is 0
-    const float inv_hi = l_hi > 0.0f ? 1.0f / l_hi : 0.0f;
-    const float* v_scale = p.v_scale + static_cast<int64_t>(kv_bh) * kSageHeadDim;
+    // ---- epilogue: out = acc * u / l; lse with K's mean added back
+    const float inv_lo = l_lo > 0.0f ? u / l_lo : 0.0f;  // acc is 0 where l is 0
+    const float inv_hi = l_hi > 0.0f ? u / l_hi : 0.0f;
     OutT* out_head = static_cast<OutT*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
     OutT* out_lo = out_head + static_cast<int64_t>(row_lo) * p.out_stride_s;
     OutT* out_hi = out_head + static_cast<int64_t>(row_hi) * p.out_stride_s;
 #pragma unroll
     for (int c = 0; c < 16; ++c) {
       const int col = 8 * c + 2 * t;
-      const float2 vs = __ldg(reinterpret_cast<const float2*>(v_scale + col));
       if (row_lo < p.shape.seq_q) {
-        store_pair(out_lo + col, o[4 * c] * vs.x * inv_lo, o[4 * c + 1] * vs.y * inv_lo);
+        store_pair(out_lo + col, o[4 * c] * inv_lo, o[4 * c + 1] * inv_lo);
       }
       if (row_hi < p.shape.seq_q) {
-        store_pair(out_hi + col, o[4 * c + 2] * vs.x * inv_hi, o[4 * c + 3] * vs.y * inv_hi);
+        store_pair(out_hi + col, o[4 * c + 2] * inv_hi, o[4 * c + 3] * inv_hi);
       }
     }
     if (p.lse != nullptr && t == 0) {

@@ -33,7 +33,7 @@ struct SageSm90Params {
   const void* v_fp8;
   const float* q_scale;     // [B, Hq, Sq]
   const float* k_scale;     // [B, Hkv, Skv_pad / 128]
-  const float* v_scale;     // [B, Hkv, 128]
+  const float* v_scale;     // [B, Hkv, Skv_pad / 128]: one scale a key block (0: V's block is 0)
   const float* q_kmean;     // [B, Hq, Sq]: q . k_mean, read for the LSE only
   const int32_t* key_lengths;  // [B] or nullptr
   void* out;                // [B, Hq, Sq, 128] through the strides below (elements), unit last
@@ -47,8 +47,8 @@ struct SageSm90Params {
   // The last wave's split (sage_split_plan): query blocks from `split_first` on (linear index
   // (b * Hq + h) * ceil(Sq / 128) + m) are cut into `splits` key ranges, one CTA each, merged by
   // the last to finish. partials: [(blocks - split_first) * splits, 128 rows, kSagePartialStride]
-  // float32 (unnormalized P V, running max, row sum); counters: int32 [blocks - split_first],
-  // zeroed. splits == 1: no split (both nullptr).
+  // float32 (unnormalized P V in V's real units, running max, row sum); counters: int32
+  // [blocks - split_first], zeroed. splits == 1: no split (both nullptr).
   int split_first;
   int splits;
   float* partials;

@@ -39,6 +39,7 @@ from omni_kernels.attention.quantized.quantize import quantize_qkv
 from omni_kernels.attention.quantized.reference import (
     dequantize_qkv,
     dit_like_qkv,
+    k_mean_stride,
     natural_v,
     quantize_qkv_reference,
     quantized_attention_reference,
@@ -99,9 +100,11 @@ def test_quantize_exact_scales():
     k[0, 0, :, 0] = torch.tensor([3.0, 1.0] * 10)
     k[0, 0, :, 1] = 5.0
     k[0, 0, 17, 2] = 4.0
-    # v: channel 0 max |.| 7 (-> scale 7/448), channel 1 zero (-> scale 0)
+    # v: one scale per key block over all channels: block 0 max |.| 7 (-> scale 7/448, channel
+    # 1's 0.25 in its units); block 1 all zero (-> scale 0, codes 0)
     v = torch.zeros(1, 1, 20, d)
-    v[0, 0, :, 0] = torch.linspace(-7.0, 3.5, 20)
+    v[0, 0, :16, 0] = torch.linspace(-7.0, 3.5, 16)
+    v[0, 0, :16, 1] = 0.25
     for impl in (quantize_qkv, quantize_qkv_reference):
         qkv = impl(q, k, v, block_n=16)
         assert qkv.q_scale[0, 0].tolist() == [pytest.approx(2.54 / 127, rel=1e-7), 0.0]
@@ -113,10 +116,67 @@ def test_quantize_exact_scales():
         assert qkv.k_int8[0, 0, :16, 0].tolist() == [127, -127] * 8
         assert not qkv.k_int8[0, 0, :, 1].any()
         assert not qkv.k_int8[0, 0, 20:].any(), "padding keys must be 0"
-        assert qkv.v_scale[0, 0, :2].tolist() == [pytest.approx(7.0 / 448, rel=1e-7), 0.0]
+        assert qkv.v_scale.shape == (1, 1, 2)
+        assert qkv.v_scale[0, 0].tolist() == [pytest.approx(7.0 / 448, rel=1e-7), 0.0]
         assert qkv.v_fp8.shape == (1, 1, d, 32)
         assert qkv.v_fp8[0, 0, 0, 0].float().item() == -448.0
+        assert qkv.v_fp8[0, 0, 1, :16].float().tolist() == [16.0] * 16  # 0.25 * 448 / 7
+        assert not qkv.v_fp8[0, 0, :, 16:].float().any(), "a zero block has codes 0"
         assert not qkv.v_fp8[0, 0, :, 20:].float().any(), "padding keys must be 0"
+
+
+def test_k_mean_is_the_mean_of_a_strided_sample():
+    """From 1024 keys on, K's mean comes from keys 0, r, 2r, ... (r = max(1, L // 512) | 1):
+    key t holds t in channel 0, so the mean is r * (n - 1) / 2 in closed form. With key
+    lengths each sample uses its own length's stride."""
+    d = 16
+    skv = 2100
+    t = torch.arange(skv, dtype=torch.float32)
+    k = torch.zeros(2, 1, skv, d)
+    k[:, 0, :, 0] = t
+    k[:, 0, :, 1] = (t % 5 == 0).float()  # 1 exactly on the sampled keys of stride 5
+    q = torch.randn(2, 1, 3, d)
+    v = torch.randn(2, 1, skv, d)
+    lengths = torch.tensor([2100, 1030])
+    # 2100 // 512 = 4 -> r = 5, 420 keys (0..2095); 1030 // 512 = 2 -> r = 3, 344 keys (0..1029)
+    assert [k_mean_stride(n) for n in (0, 1, 1023, 1024, 1030, 2100, 4608, 75600)] == [1, 1, 1, 3, 3, 5, 9, 147]
+    for impl in (quantize_qkv, quantize_qkv_reference):
+        qkv = impl(q, k, v, block_n=16, key_lengths=lengths)
+        assert qkv.k_mean[0, 0, 0].item() == 5 * 419 / 2, impl.__name__
+        assert qkv.k_mean[0, 0, 1].item() == 1.0, impl.__name__
+        assert qkv.k_mean[1, 0, 0].item() == 3 * 343 / 2, impl.__name__
+        # below 1024 keys the sample is every key
+        short = impl(q, k[:, :, :1000], v[:, :, :1000], block_n=16)
+        assert short.k_mean[0, 0, 0].item() == 999 / 2, impl.__name__
+        # q . k_mean (the LSE's correction) uses the same sampled mean
+        torch.testing.assert_close(qkv.q_kmean, (q * qkv.k_mean[:, :, None]).sum(-1), rtol=1e-5, atol=1e-3)
+
+
+def test_v_blocks_of_mixed_magnitude(inputs, rel_err):
+    """One V scale per key block: blocks of magnitude 1e-4, 1, 0 and 1e3 each keep FP8's
+    relative precision (a scale per channel over all tokens would flush the small block to
+    zero), and the kernel, whose accumulator changes units from block to block, matches the
+    blockwise reference (a block of zeros keeps the unit; a row never sees units mix)."""
+    b, h, sq, d, bn = 1, 2, 24, 64, 16
+    skv = 4 * bn + 5  # four full blocks and a ragged fifth
+    q = inputs.activations((b, h, sq, d), torch.float32)
+    k = inputs.activations((b, h, skv, d), torch.float32)
+    v = inputs.activations((b, h, skv, d), torch.float32, outlier_channels=0)
+    for block, magnitude in enumerate((1e-4, 1.0, 0.0, 1e3, 1.0)):
+        v[:, :, block * bn:(block + 1) * bn] *= magnitude
+    for impl in (quantize_qkv, quantize_qkv_reference):
+        qkv = impl(q, k, v, block_n=bn)
+        assert qkv.v_scale.shape == (b, h, 5)
+        assert (qkv.v_scale[:, :, 2] == 0).all() and (qkv.v_scale[:, :, [0, 1, 3, 4]] > 0).all()
+        vd = dequantize_qkv(qkv)[2]
+        for block in (0, 1, 3, 4):
+            rows = slice(block * bn, min((block + 1) * bn, skv))
+            assert rel_err(vd[:, :, rows], v[:, :, rows]) <= 4e-2, (impl.__name__, block)
+    ref = quantize_qkv_reference(q, k, v, block_n=bn)
+    out, lse = sage_attention_forward(q, k, v, config=SageConfig(16, bn, 4, 1), return_lse=True)
+    ref_out, ref_lse = quantized_attention_reference(ref, scale=1 / math.sqrt(d), return_lse=True)
+    assert rel_err(out, ref_out) <= 1e-5
+    assert (lse - ref_lse).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -415,7 +475,7 @@ def test_cuda_quantizer_refusals_and_fake_shapes():
         outs = torch.ops.omni_kernels.sage_quantize_qkv(q, k, k, True, None, True)
         shapes = [tuple(o.shape) for o in outs]
     assert shapes == [(2, 4, 300, 128), (2, 4, 300), (2, 4, 300), (2, 2, 256, 128), (2, 2, 2),
-                      (2, 2, 128), (2, 2, 128, 256), (2, 2, 128)]
+                      (2, 2, 128), (2, 2, 128, 256), (2, 2, 2)]  # v_scale: one per key block
     assert outs[6].dtype == torch.float8_e4m3fn and outs[0].dtype == torch.int8
 
 
@@ -846,6 +906,39 @@ def test_gpu_cuda_sm90_split_last_wave(kv_splits):
     with pytest.raises(RuntimeError, match="kv_splits must be"):
         op(qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
            lengths, qkv.seq_kv, 128 ** -0.5, whole, None, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_splits", [1, 3])
+def test_gpu_cuda_sm90_v_block_scales_of_mixed_magnitude(kv_splits):
+    """V key blocks of magnitude 1e-4, 1, 0 and 1e3 (one scale each): the kernel keeps its
+    accumulator in the latest block's units and rescales at each change, whole and split
+    (each part stores its output in V's own units for the merge), against the blockwise
+    reference on the same quantized tensors."""
+    _skip_without_cuda_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    q, _, _ = dit_like_qkv(gen, (2, 2, 300, 128), torch.bfloat16, "cuda")
+    _, k, v = dit_like_qkv(gen, (2, 2, 1300, 128), torch.bfloat16, "cuda")
+    for block, magnitude in enumerate((1e-4, 1.0, 0.0, 1e3, 1.0, 0.0, 3.0, 1e-4, 1.0, 1e2, 1.0)):
+        v[:, :, block * 128:(block + 1) * 128] *= magnitude
+    lengths = torch.tensor([1300, 700], device="cuda", dtype=torch.int32)
+    qkv = quantize_qkv(q, k, v, block_n=128, key_lengths=lengths, permute_v=True)
+    assert (qkv.v_scale[:, :, 2] == 0).all() and (qkv.v_scale[0, :, 3] > 0).all()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    torch.ops.omni_kernels.sage_attention_sm90(
+        qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
+        lengths, qkv.seq_kv, 128 ** -0.5, out, lse, kv_splits)
+    torch.cuda.synchronize()
+    ref, ref_lse = quantized_attention_reference(qkv, scale=128 ** -0.5, key_lengths=lengths,
+                                                 return_lse=True, row_sums="fp8")
+    assert not out.isnan().any()
+    # split parts round P under their own running max: FP8 rounding apart, as in the split test
+    tol = 5e-3 if kv_splits == 1 else 1e-2
+    for b in (0, 1):  # per sample: the 1e3 block (in sample 0 only) would hide sample 1's error
+        rel = ((out[b].float() - ref[b]).norm() / ref[b].norm()).item()
+        assert rel <= tol, f"sample {b}, kv_splits={kv_splits}: rel {rel:.3e}"
+    assert (lse - ref_lse).abs().max().item() <= 1.5e-2
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """``omni_sage``: omni's quantized attention, INT8 ``Q K^T`` and FP8 ``P V``. **Lossy.**
 
 The kernels are in :mod:`omni_kernels.attention.quantized` (SageAttention-2
-style: K smoothed by its mean over tokens, Q INT8 per token, K INT8 per key
-block, V FP8 e4m3 per channel, P in FP8 with two-level accumulation). Called
+style: K smoothed by the mean of a strided sample of its keys, Q INT8 per token,
+K INT8 per key block, V FP8 e4m3 per key block, P in FP8 with two-level
+accumulation). Called
 through the ``torch.library`` op ``omni_kernels::sage_attention_fwd``
 (:mod:`omni_kernels.attention.quantized.ops`), so ``torch.compile`` keeps it
 as one node; in eager mode with plain tensors the kernels are launched directly

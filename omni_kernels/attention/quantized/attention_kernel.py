@@ -23,7 +23,10 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
   precision (~14 bits) and must never sum across blocks. (A plain
   ``acc * alpha + tile`` could be rewritten by Triton into ``dot(p, v, acc * alpha)``;
   an fma is not, and is one instruction instead of two.)
-* V's per-channel scale and ``1 / l`` are applied once, in the epilogue.
+* V has one scale per key block. ``acc`` is kept in units of the latest nonzero
+  block scale: a block with another scale multiplies the fold's ``alpha`` by
+  ``old / new`` (the same one fma an element), and ``unit / l`` is applied once,
+  in the epilogue.
 * K/V are padded to a multiple of ``BLOCK_N`` by the quantizer (zeros), so the
   loop loads without masks; only the last partial block (``Skv`` or
   ``key_lengths[b]`` not a multiple of ``BLOCK_N``) masks scores to ``-inf``.
@@ -74,8 +77,8 @@ _SCORE_BIAS = tl.constexpr(12582912.0)
 
 @triton.jit
 def _sage_range(
-    acc, l_i, m_i, q, row_scale,
-    k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
+    acc, l_i, m_i, unit, q, row_scale,
+    k_ptrs, v_ptrs, ks_ptr, vs_ptr, k_desc, v_desc, k_row0, v_row0,
     offs_n, lo, hi, kv_len, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -83,10 +86,14 @@ def _sage_range(
 ):
     """Online softmax over key blocks ``[lo, hi)``; ``MASKED`` masks keys ``>= kv_len``.
 
-    ``k_ptrs``/``v_ptrs``/``ks_ptr`` point at key block 0's K tile ``[BLOCK_N, D]``,
-    V^T tile ``[D, BLOCK_N]`` and K scale; ``k_row0``/``v_row0`` (int32) are the
+    ``k_ptrs``/``v_ptrs``/``ks_ptr``/``vs_ptr`` point at key block 0's K tile ``[BLOCK_N, D]``,
+    V^T tile ``[D, BLOCK_N]``, K scale and V scale; ``k_row0``/``v_row0`` (int32) are the
     head's first row in the TMA views. Addresses are formed from ``start_n``
     (no loop-carried pointers), which Triton's warp specialization needs.
+
+    ``acc`` is kept in units of ``unit``, the V scale of the latest block whose scale is
+    not 0 (0 before any): the output is ``acc * unit / l``. A new unit rescales ``acc`` in
+    the fold's one FMA (``alpha * old / new``) instead of a multiply per P V element.
     """
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -124,8 +131,12 @@ def _sage_range(
         # `x + dot(a, b, 0)` into `dot(a, b, x)`, which would let the FP8 MMA's
         # short accumulator sum across blocks; an fma is not rewritten.
         pv = tl.dot(fp8_convert(p, EMULATE_FP8), tl.trans(vt))
-        acc = tl.fma(acc, tl.broadcast_to(alpha[:, None], acc.shape), pv)
-    return acc, l_i, m_i
+        v_scale = tl.load(vs_ptr + start_n // BLOCK_N)
+        # a block of zeros (scale 0) adds nothing and keeps the unit
+        ratio = tl.where(v_scale > 0.0, unit / tl.where(v_scale > 0.0, v_scale, 1.0), 1.0)
+        unit = tl.where(v_scale > 0.0, v_scale, unit)
+        acc = tl.fma(acc, tl.broadcast_to((alpha * ratio)[:, None], acc.shape), pv)
+    return acc, l_i, m_i, unit
 
 
 @triton.jit
@@ -169,6 +180,7 @@ def _sage_fwd_kernel(
     k_ptrs = K8 + (kv_bh * seq_k_pad + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     v_ptrs = VT8 + (kv_bh * HEAD_DIM + offs_d[:, None]) * seq_k_pad + offs_n[None, :]
     ks_ptr = KS + kv_bh * (seq_k_pad // BLOCK_N)
+    vs_ptr = VS + kv_bh * (seq_k_pad // BLOCK_N)
     k_row0 = kv_bh32 * seq_k_pad
     v_row0 = kv_bh32 * HEAD_DIM
 
@@ -176,23 +188,23 @@ def _sage_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    unit = tl.zeros([], dtype=tl.float32)
 
     full_end = (kv_len // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _sage_range(
-        acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
+    acc, l_i, m_i, unit = _sage_range(
+        acc, l_i, m_i, unit, q, row_scale, k_ptrs, v_ptrs, ks_ptr, vs_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, 0, full_end, kv_len, qk_scale,
         HEAD_DIM, BLOCK_N, False, USE_TMA, EMULATE_FP8, WARP_SPECIALIZE, SCORE_BIAS,
     )
-    acc, l_i, m_i = _sage_range(
-        acc, l_i, m_i, q, row_scale, k_ptrs, v_ptrs, ks_ptr, k_desc, v_desc, k_row0, v_row0,
+    acc, l_i, m_i, unit = _sage_range(
+        acc, l_i, m_i, unit, q, row_scale, k_ptrs, v_ptrs, ks_ptr, vs_ptr, k_desc, v_desc, k_row0, v_row0,
         offs_n, full_end, kv_len, kv_len, qk_scale,
         HEAD_DIM, BLOCK_N, True, USE_TMA, EMULATE_FP8, False, SCORE_BIAS,
     )
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    v_scale = tl.load(VS + kv_bh * HEAD_DIM + offs_d)
-    out = acc * v_scale[None, :] * (1.0 / l_safe)[:, None]  # acc is 0 where l is 0
+    out = acc * (unit / l_safe)[:, None]  # acc is 0 where l is 0
     o_ptrs = (
         Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
         + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]

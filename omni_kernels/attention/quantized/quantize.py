@@ -1,28 +1,22 @@
 """Triton kernels that quantize Q, K and V for :mod:`.attention_kernel`.
 
 The math is defined in :mod:`.reference` (:func:`~.reference.quantize_qkv_reference`);
-these kernels produce the same bytes. Two launches (and a memset of counters):
+these kernels produce the same bytes. Two launches:
 
-1. :func:`_kv_stats_kernel`: K's mean and V's per-channel max over the *whole*
-   sequence, which the quantization needs first. Programs ``(chunk, b * Hkv)``
-   each reduce a chunk of tokens to float32 column sums of K and column maxima
-   of ``|V|`` (partials in a ``[B*Hkv, chunks, 2, D]`` buffer), then take a
-   ticket from a per-head counter (an acq_rel atomic); the head's last program
-   adds the partials up *in chunk order* (deterministic, unlike float atomics)
-   and writes ``k_mean``, ``448 / vmax`` and ``vmax / 448`` (``[3, B*Hkv, D]``).
-   The chunk length is picked so the grid has ~16 programs per SM: at Flux's
-   4608 tokens x 24 heads one program per 2048 tokens left 60 of 132 SMs idle
-   (run 5: 0.27 ms for the quantization of a 0.7 ms call).
+1. :func:`_k_mean_kernel`: K's mean over its strided sample (keys ``0, r, 2r, ...``,
+   :func:`~.reference.k_mean_stride`), one program per kv head, in a fixed order
+   (deterministic). It reads ~512 keys of each head, not the whole of K.
 2. :func:`_qkv_quant_kernel`: one 1-D grid of Q programs (``Q_BLOCK`` tokens:
    INT8 with a scale per token, and ``q . k_mean`` from the unquantized q for
    the log-sum-exp) followed by K/V programs (one key block: K minus its mean
-   to INT8 with one scale per block; V to FP8 e4m3 with its per-channel scale,
+   to INT8 with one scale per block; V to FP8 e4m3 with one scale per block,
    written transposed ``[B, Hkv, D, Skv_pad]`` as the FP8 MMA wants it).
 
-So Q is read once and K/V twice (statistics, then codes): a single pass would
-need a grid-wide wait for the statistics, which can deadlock when the grid is
-not co-resident; the second read is ~25% of the quantization's bytes and the
-quantization ~1% of a 720p call. No PyTorch glue kernels between the launches.
+So each of Q, K and V is read once (and K's sample a second time): every scale
+is a maximum over what one program loads. (The format of the previous version,
+a mean over all keys and V scaled per channel over all tokens, needed a
+statistics pass over the whole of K and V first: ~25% of the bytes.) No PyTorch
+glue kernels between the launches.
 
 Inputs are read through strides (``bhsd`` or ``bshd``, any strides with the
 last dimension contiguous), in float16, bfloat16 or float32.
@@ -35,23 +29,24 @@ conversion first rounds to the e4m3 grid in float32 (:func:`fp8_convert`,
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from omni_kernels._triton import cdiv, triton_interpreter_enabled
-from omni_kernels.attention.quantized.reference import FP8_DTYPE, V_KEY_GROUP, QuantizedQKV
+from omni_kernels.attention.quantized.reference import (
+    FP8_DTYPE,
+    K_MEAN_SAMPLES,
+    V_KEY_GROUP,
+    QuantizedQKV,
+)
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
-STATS_PROGRAMS_PER_SM = 16  # enough loads in flight to stream K/V at full bandwidth
-STATS_MIN_CHUNK = 256  # below this a program's fixed cost (ticket, partial) dominates
-STATS_BLOCK = 32  # tokens per load in the statistics loop
-STATS_WARPS = 4  # 32 x 128 float32 accumulators for K and for V: 32 registers a thread each
+K_MEAN_BLOCK = 64  # sampled keys per load of the K-mean loop (16 in the interpreter)
+K_MEAN_WARPS = 4
 Q_BLOCK = 128  # Q rows a program (H200: 64 -> 128 took the codes launch from 48.2 to 43.7 us at Flux)
 CODES_WARPS = 8  # warps of the codes launch at key blocks of 128 (4 below)
-_INTERPRETER_STATS = (16, 32)  # (BLOCK_S, chunk): several chunks per head in CPU tests
 
 
 @triton.jit
@@ -98,58 +93,35 @@ def fp8_convert(x, EMULATE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _kv_stats_kernel(
-    K, V, PART, TICKETS, STATS, KEY_LENGTHS,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    num_kv_heads, seq_k, num_chunks, chunk_len, num_bh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+def _k_mean_kernel(
+    K, KMEAN, KEY_LENGTHS, stride_kb, stride_kh, stride_kn, num_kv_heads, seq_k,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SAMPLES: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
-    bh64 = bh.to(tl.int64)
+    """``k_mean`` of kv head ``program_id(0)``: the mean of keys ``0, r, 2r, ...`` below its
+    length, ``r = max(1, length // SAMPLES) | 1`` (:func:`~.reference.k_mean_stride`)."""
+    bh = tl.program_id(0)
     b = (bh // num_kv_heads).to(tl.int64)
-    kv_len = seq_k
-    if HAS_KEY_LENGTHS:  # keys past a sample's length are padding: keep them out of the stats
-        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     h = (bh % num_kv_heads).to(tl.int64)
+    kv_len = seq_k
+    if HAS_KEY_LENGTHS:  # keys past a sample's length are padding: keep them out of the mean
+        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
+    stride = tl.maximum(kv_len // SAMPLES, 1) | 1
+    count = (kv_len + stride - 1) // stride
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    # Element-wise accumulators, reduced over the token axis once after the loop: a
-    # reduction per iteration crosses warps (shared memory and a barrier) between loads.
+    # element-wise accumulator, reduced over the sample axis once after the loop
     ksum_tile = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
-    vmax_tile = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
-    for s0 in range(chunk * chunk_len, tl.minimum(kv_len, chunk * chunk_len + chunk_len), BLOCK_S):
-        rows = s0 + offs_s
-        ok = (rows < kv_len)[:, None]
-        rows64 = rows.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows64 * stride_kn + offs_d[None, :], mask=ok, other=0.0)
-        v = tl.load(v_base + rows64 * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+    for s0 in range(0, count, BLOCK_S):
+        idx = s0 + offs_s
+        rows64 = (idx * stride).to(tl.int64)[:, None]
+        k = tl.load(k_base + rows64 * stride_kn + offs_d[None, :], mask=(idx < count)[:, None], other=0.0)
         ksum_tile += k.to(tl.float32)
-        vmax_tile = tl.maximum(vmax_tile, tl.abs(v.to(tl.float32)))
     ksum = tl.sum(ksum_tile, 0)
-    vmax = tl.max(vmax_tile, 0)
-    part = PART + (bh64 * num_chunks + chunk) * (2 * HEAD_DIM)
-    tl.store(part + offs_d, ksum)
-    tl.store(part + HEAD_DIM + offs_d, vmax)
-    # every thread's partial is written before the (one-thread) release of the ticket
-    tl.debug_barrier()
-    ticket = tl.atomic_add(TICKETS + bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_chunks - 1:  # the head's last program: reduce in chunk order
-        ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        vmax = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for c in range(0, num_chunks):
-            part = PART + (bh64 * num_chunks + c) * (2 * HEAD_DIM)
-            # .cg: from L2, where the other programs' partials are (L1 is not coherent)
-            ksum += tl.load(part + offs_d, cache_modifier=".cg")
-            vmax = tl.maximum(vmax, tl.load(part + HEAD_DIM + offs_d, cache_modifier=".cg"))
-        count = tl.maximum(kv_len, 1).to(tl.float32)
-        # correctly rounded, as the reference's tensor divisions
-        tl.store(STATS + bh64 * HEAD_DIM + offs_d, tl.math.div_rn(ksum, ksum * 0.0 + count))
-        tl.store(STATS + (num_bh + bh64) * HEAD_DIM + offs_d, _inverse_scale(vmax, 448.0))
-        tl.store(STATS + (2 * num_bh + bh64) * HEAD_DIM + offs_d,
-                 tl.math.div_rn(vmax, vmax * 0.0 + 448.0))
+    n = tl.maximum(count, 1).to(tl.float32)
+    # correctly rounded, as the reference's tensor division
+    tl.store(KMEAN + bh.to(tl.int64) * HEAD_DIM + offs_d, tl.math.div_rn(ksum, ksum * 0.0 + n))
 
 
 @triton.jit
@@ -182,14 +154,14 @@ def _quant_q_block(
 
 @triton.jit
 def _quant_kv_block(
-    K, V, KMEAN, VINV, K8, KS, VT8, KEY_LENGTHS, blk, bh,
+    K, V, KMEAN, K8, KS, VT8, VS, KEY_LENGTHS, blk, bh,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_kv_heads, seq_k, seq_k_pad, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
     HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
 ):
-    """Key block ``blk`` of kv head ``bh``: K smoothed to INT8 (one scale), V^T to FP8
-    (``PERMUTE_V``: key columns in ``reference.v_key_permutation``'s order)."""
+    """Key block ``blk`` of kv head ``bh``: K smoothed to INT8 (one scale), V^T to FP8 (one
+    scale; ``PERMUTE_V``: key columns in ``reference.v_key_permutation``'s order)."""
     bh64 = bh.to(tl.int64)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
@@ -200,7 +172,7 @@ def _quant_kv_block(
         kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     ok = (rows < kv_len)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
-    # ---- K: subtract the mean over tokens, one INT8 scale for the block
+    # ---- K: subtract the (sampled) mean, one INT8 scale for the block
     k = tl.load(K + b * stride_kb + h * stride_kh + rows64 * stride_kn + offs_d[None, :],
                 mask=ok, other=0.0).to(tl.float32)
     kmean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
@@ -210,8 +182,9 @@ def _quant_kv_block(
     k8 = _round_half_away(kc * inv)
     tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
     tl.store(KS + bh64 * num_blocks + blk, tl.math.div_rn(amax, amax * 0.0 + 127.0))
-    # ---- V: per-channel FP8 scale, stored transposed [D, Skv_pad]. The permutation is
-    # applied to the rows loaded, so the stores run along contiguous key columns.
+    # ---- V: one FP8 scale for the block, stored transposed [D, Skv_pad]. The permutation
+    # is applied to the rows loaded, so the stores run along contiguous key columns (the
+    # block's maximum does not depend on the order).
     src = rows
     if PERMUTE_V:  # key 16a + r goes to column 16a + 4 ((r // 2) % 4) + 2 (r // 8) + r % 2,
         # so column 16a + c holds key 16a + 8 ((c // 2) % 2) + 2 (c // 4) + c % 2
@@ -220,19 +193,19 @@ def _quant_kv_block(
     v_ok = (src < kv_len)[:, None]
     v = tl.load(V + b * stride_vb + h * stride_vh + src.to(tl.int64)[:, None] * stride_vn
                 + offs_d[None, :], mask=v_ok, other=0.0).to(tl.float32)
-    vinv = tl.load(VINV + bh64 * HEAD_DIM + offs_d)
-    v8 = fp8_convert(tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0), EMULATE_FP8)
+    v_amax = tl.max(tl.max(tl.abs(v), 1), 0)
+    v8 = fp8_convert(tl.minimum(tl.maximum(v * _inverse_scale(v_amax, 448.0), -448.0), 448.0), EMULATE_FP8)
     vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
     tl.store(vt_ptrs, tl.trans(v8))
+    tl.store(VS + bh64 * num_blocks + blk, tl.math.div_rn(v_amax, v_amax * 0.0 + 448.0))
 
 
 @triton.jit
 def _qkv_quant_kernel(
-    Q, Q8, QS, QKMEAN, K, V, STATS, K8, KS, VT8, KEY_LENGTHS,
+    Q, Q8, QS, QKMEAN, K, V, KMEAN, K8, KS, VT8, VS, KEY_LENGTHS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_q_blocks, num_q_programs, num_blocks,
-    num_kv_bh,
     HEAD_DIM: tl.constexpr, Q_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EMULATE_FP8: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
 ):
@@ -240,39 +213,19 @@ def _qkv_quant_kernel(
     pid = tl.program_id(0)
     if pid < num_q_programs:
         _quant_q_block(
-            Q, Q8, QS, STATS, QKMEAN, pid % num_q_blocks, pid // num_q_blocks,
+            Q, Q8, QS, KMEAN, QKMEAN, pid % num_q_blocks, pid // num_q_blocks,
             stride_qb, stride_qh, stride_qm, num_heads, num_kv_heads, seq_q,
             HEAD_DIM, Q_BLOCK,
         )
     else:
         pid -= num_q_programs
         _quant_kv_block(
-            K, V, STATS, STATS + num_kv_bh * HEAD_DIM, K8, KS, VT8, KEY_LENGTHS,
+            K, V, KMEAN, K8, KS, VT8, VS, KEY_LENGTHS,
             pid % num_blocks, pid // num_blocks,
             stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
             num_kv_heads, seq_k, seq_k_pad, num_blocks,
             HEAD_DIM, BLOCK_N, EMULATE_FP8, HAS_KEY_LENGTHS, PERMUTE_V,
         )
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def stats_chunk_len(seq_k: int, num_kv_bh: int, device: torch.device) -> int:
-    """Tokens per statistics program: ~``STATS_PROGRAMS_PER_SM`` programs per SM over
-    all heads, at least ``STATS_MIN_CHUNK``, a multiple of ``STATS_BLOCK``.
-
-    Flux 1024^2 (4608 tokens, 24 heads) on 132 SMs: 256 tokens (the floor), 18 x 24 =
-    432 programs; Wan 720p (75600, 40): 1440 tokens, 53 x 40 = 2120 programs.
-    """
-    if triton_interpreter_enabled():
-        return _INTERPRETER_STATS[1]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    chunks = max(1, cdiv(STATS_PROGRAMS_PER_SM * _sm_count(index), max(num_kv_bh, 1)))
-    chunk = cdiv(cdiv(max(seq_k, 1), chunks), STATS_BLOCK) * STATS_BLOCK
-    return max(chunk, STATS_MIN_CHUNK)
 
 
 def quantize_qkv(
@@ -293,8 +246,7 @@ def quantize_qkv(
             float32, last dimension contiguous; ``D`` a power of two >= 16.
         block_n: key block of the K scales; must equal the attention kernel's ``BLOCK_N``.
         key_lengths: optional int32 ``[B]`` on q's device: keys ``j >= key_lengths[b]``
-            are padding; they are left out of K's mean, V's scales and the K
-            block scales, and written as 0.
+            are padding; they are left out of K's mean and the block scales, and written as 0.
         permute_v: store V^T's key columns in ``reference.v_key_permutation``'s order,
             as the Hopper CUDA kernel reads them (``block_n`` a multiple of 16).
 
@@ -312,22 +264,16 @@ def quantize_qkv(
     skv_pad = nblk * block_n
     num_kv_bh = batch * hkv
     emulate = triton_interpreter_enabled()
-    chunk = stats_chunk_len(skv, num_kv_bh, device)
-    chunks = max(1, cdiv(skv, chunk))  # one (empty) chunk still writes the stats
     has_lengths = key_lengths is not None
 
-    # [k_mean | 448 / vmax | vmax / 448], each [B*Hkv, D]
-    stats = torch.empty((3, num_kv_bh, d), dtype=torch.float32, device=device)
-    partials = torch.empty((num_kv_bh, chunks, 2, d), dtype=torch.float32, device=device)
-    tickets = torch.zeros((num_kv_bh,), dtype=torch.int32, device=device)
+    k_mean = torch.empty((batch, hkv, d), dtype=torch.float32, device=device)
     skb, skh, skn = bhs_strides(k, layout)
     svb, svh, svn = bhs_strides(v, layout)
     if num_kv_bh:
-        _kv_stats_kernel[(chunks, num_kv_bh)](
-            k, v, partials, tickets, stats, key_lengths if has_lengths else stats,
-            skb, skh, skn, svb, svh, svn, hkv, skv, chunks, chunk, num_kv_bh,
-            HEAD_DIM=d, BLOCK_S=_INTERPRETER_STATS[0] if emulate else STATS_BLOCK,
-            HAS_KEY_LENGTHS=has_lengths, num_warps=STATS_WARPS,
+        _k_mean_kernel[(num_kv_bh,)](
+            k, k_mean, key_lengths if has_lengths else k_mean, skb, skh, skn, hkv, skv,
+            HEAD_DIM=d, BLOCK_S=16 if emulate else K_MEAN_BLOCK, SAMPLES=K_MEAN_SAMPLES,
+            HAS_KEY_LENGTHS=has_lengths, num_warps=K_MEAN_WARPS,
         )
 
     q_int8 = torch.empty((batch, hq, sq, d), dtype=torch.int8, device=device)
@@ -336,6 +282,7 @@ def quantize_qkv(
     k_int8 = torch.empty((batch, hkv, skv_pad, d), dtype=torch.int8, device=device)
     k_scale = torch.empty((batch, hkv, nblk), dtype=torch.float32, device=device)
     v_fp8 = torch.empty((batch, hkv, d, skv_pad), dtype=FP8_DTYPE, device=device)
+    v_scale = torch.empty((batch, hkv, nblk), dtype=torch.float32, device=device)
     q_block = 16 if emulate else Q_BLOCK
     num_q_blocks = cdiv(sq, q_block)
     num_q_programs = num_q_blocks * batch * hq
@@ -343,17 +290,15 @@ def quantize_qkv(
     if grid:
         sqb, sqh, sqm = bhs_strides(q, layout)
         _qkv_quant_kernel[(grid,)](
-            q, q_int8, q_scale, q_kmean, k, v, stats, k_int8, k_scale, v_fp8,
-            key_lengths if has_lengths else stats,
+            q, q_int8, q_scale, q_kmean, k, v, k_mean, k_int8, k_scale, v_fp8, v_scale,
+            key_lengths if has_lengths else k_mean,
             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-            hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk, num_kv_bh,
+            hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk,
             HEAD_DIM=d, Q_BLOCK=q_block, BLOCK_N=block_n, EMULATE_FP8=emulate,
             HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, num_warps=CODES_WARPS if block_n >= 128 else 4,
         )
-    k_mean = stats[0].view(batch, hkv, d)
-    v_scale = stats[2].view(batch, hkv, d)
     return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_scale, skv, block_n, q_kmean,
                         permute_v)
 
 
-__all__ = ["fp8_convert", "quantize_qkv", "stats_chunk_len"]
+__all__ = ["fp8_convert", "quantize_qkv"]

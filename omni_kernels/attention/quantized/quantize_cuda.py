@@ -1,9 +1,11 @@
 """Q/K/V quantization in CUDA for the Hopper kernel: ``omni_kernels::sage_quantize_qkv``.
 
-The same bytes as :func:`.quantize.quantize_qkv` (and :func:`.reference.quantize_qkv_reference`)
-for head_dim 128 and key blocks of 128, in one dispatched call (its two launches are the K/V
-statistics and the codes; ``csrc/attention/sage_quant.cu``), so the quantization costs one op's
-host time instead of two Triton launches and the Python around them.
+The format of :func:`.reference.quantize_qkv_reference` (``k_mean`` the mean of K's strided
+sample, ``v_scale`` one scale per key block) for head_dim 128 and key blocks of 128: the same
+bytes but for ``k_mean``'s float32 summation order (and what follows from it: K's codes, its
+scales, ``q_kmean``), in one dispatched call. Its two launches (``csrc/attention/sage_quant.cu``)
+are K's sample mean (~512 keys a head) and the codes, which read each of Q, K and V once; the
+quantization costs one op's host time instead of Triton launches and the Python around them.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _fake_sage_quantize_qkv(q, k, v, bshd, key_lengths, permute_v):
         q.new_empty((b, hq, sq), dtype=f32), q.new_empty((b, hkv, pad, HEAD_DIM), dtype=torch.int8),
         q.new_empty((b, hkv, pad // BLOCK_N), dtype=f32), q.new_empty((b, hkv, HEAD_DIM), dtype=f32),
         q.new_empty((b, hkv, HEAD_DIM, pad), dtype=torch.float8_e4m3fn),
-        q.new_empty((b, hkv, HEAD_DIM), dtype=f32),
+        q.new_empty((b, hkv, pad // BLOCK_N), dtype=f32),
     ]
 
 

@@ -9,17 +9,26 @@ Quantization (:func:`quantize_qkv_reference`), per ``(batch, head)``:
   ``q_int8[t, d] = round(q[t, d] * (127 / max_d |q[t, d]|))`` (round half away
   from zero; a row of zeros gets scale 0 and codes 0).
 * **K**, smoothed then per block of ``block_n`` tokens: ``k_mean[d]`` is the
-  mean of ``k[:, d]`` over all ``Skv`` tokens; ``kc = k - k_mean`` (this changes
-  every score of a query row by the same constant ``q . k_mean``, which softmax
-  ignores); with ``key_lengths`` the keys past a sample's length are padding:
-  zeroed before every statistic, the mean taken over the valid keys; ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens,
-  all channels); ``k_int8 = round(kc * (127 / max |kc|))``; rows past ``Skv``
+  mean of ``k[:, d]`` over a strided *sample* of the keys: keys ``0, r, 2r, ...``
+  below the length ``L`` (``Skv``, or the sample's ``key_lengths``), with
+  ``r = max(1, L // K_MEAN_SAMPLES) | 1`` (:func:`k_mean_stride`; odd, so the sample
+  does not alias with power-of-two widths), divided by the count ``ceil(L / r)``.
+  Any vector works as the smoothing vector (``kc = k - k_mean`` changes every
+  score of a query row by the same constant ``q . k_mean``, which softmax
+  ignores, and the LSE adds it back); the mean of ~512 keys centres K as well as
+  the mean of all of them on DiT inputs, and the quantizer then reads K once for
+  its codes (the sample is ~1/9 of K at Flux's 4608 keys, ~1/150 at 720p video).
+  Keys past a sample's length are padding: zeroed, outside every statistic.
+  ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens, all
+  channels); ``k_int8 = round(kc * (127 / max |kc|))``; rows past ``Skv``
   (padding up to a multiple of ``block_n``) are 0.
-* **V**, per channel over all tokens: ``v_scale[d] = max_t |v[t, d]| / 448``
-  (448 = largest float8 e4m3 value); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max_t |v[t, d]|))``
-  (round to nearest even), stored **transposed** ``[B, H, D, Skv_pad]`` because
-  the FP8 tensor-core instruction needs P V's B operand contiguous along the
-  key (reduction) dimension.
+* **V**, per key block of ``block_n`` tokens over all channels:
+  ``v_scale[j] = max |v| / 448`` over block ``j``'s valid tokens (448 = largest
+  float8 e4m3 value); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max |v|))`` (round to
+  nearest even), stored **transposed** ``[B, H, D, Skv_pad]`` because the FP8
+  tensor-core instruction needs P V's B operand contiguous along the key
+  (reduction) dimension. A scale per block, not per channel over all tokens:
+  the quantizer reads V once (a block's codes need only that block's maximum).
 
 Attention (:func:`quantized_attention_reference`), online softmax over key
 blocks of ``block_n`` exactly as the kernel runs it (the FP8 rounding of P
@@ -29,10 +38,14 @@ depends on each block's running max, so a one-shot softmax would differ):
   (the integer dot product is exact: ``|s_int| < 127 * 127 * D``);
 * the running max is kept *shifted* by ``log2(448)``, so ``p = 2**(s - m)`` lies
   in ``[0, 448]`` and uses FP8's whole range: ``p_fp8 = fp8(p)``;
-* each block's ``p_fp8 @ v_fp8`` is formed in a fresh float32 tile and then
-  added to the running accumulator (two-level accumulation: Hopper's FP8 MMA
-  keeps only ~14 bits of its own accumulator, so it never sums across blocks);
-* ``out = acc * v_scale / l`` with ``l`` the sum of the (unrounded) ``p``;
+* each block's ``p_fp8 @ v_fp8`` is formed in a fresh float32 tile, multiplied
+  by the block's ``v_scale[j]`` and added to the running accumulator
+  (two-level accumulation: Hopper's FP8 MMA keeps only ~14 bits of its own
+  accumulator, so it never sums across blocks). The kernels keep ``acc`` in
+  units of the latest nonzero block scale instead (the fold's factor becomes
+  ``alpha * old / new``: still one FMA an element, and the unit is applied
+  once at the end), which differs from this form by float32 rounding only;
+* ``out = acc / l`` with ``l`` the sum of the (unrounded) ``p``;
   ``lse = (m + log2(l)) * ln(2) + scale * q_kmean`` with ``q_kmean = q . k_mean``
   of the unquantized q (float32, from the Q quantization pass): the natural-log
   log-sum-exp of the scores *with* K's mean, which the smoothing subtracted.
@@ -57,6 +70,18 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 FP8_DTYPE = torch.float8_e4m3fn
+#: keys in K's mean sample (about: see :func:`k_mean_stride`)
+K_MEAN_SAMPLES = 512
+
+
+def k_mean_stride(length: int) -> int:
+    """The stride ``r`` of K's mean sample for ``length`` keys: ``max(1, length // 512) | 1``.
+
+    The sample is keys ``0, r, 2r, ...`` below ``length``: ``ceil(length / r)`` keys, between
+    342 and 1023 from 1024 keys on (every key below that). Odd, so a sample of keys laid out
+    with a power-of-two period (a video's frame width, say) does not hit one phase only.
+    """
+    return max(1, int(length) // K_MEAN_SAMPLES) | 1
 
 
 def _bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -97,11 +122,12 @@ class QuantizedQKV:
         q_scale: float32 ``[B, Hq, Sq]``: ``q ~ q_int8 * q_scale[..., None]``.
         k_int8: int8 ``[B, Hkv, Skv_pad, D]`` of the *smoothed* keys; rows ``>= Skv`` are 0.
         k_scale: float32 ``[B, Hkv, Skv_pad // block_n]``, one per key block.
-        k_mean: float32 ``[B, Hkv, D]``: the subtracted mean of the keys over tokens.
+        k_mean: float32 ``[B, Hkv, D]``: the subtracted mean of K's strided sample.
         q_kmean: float32 ``[B, Hq, Sq]``: ``q . k_mean`` of the *unquantized* q
             (its kv head's mean): what the smoothing took out of row i's scores.
         v_fp8: float8_e4m3fn ``[B, Hkv, D, Skv_pad]`` (transposed); columns ``>= Skv`` are 0.
-        v_scale: float32 ``[B, Hkv, D]``: ``v ~ v_fp8^T * v_scale``.
+        v_scale: float32 ``[B, Hkv, Skv_pad // block_n]``, one per key block:
+            ``v[t] ~ v_fp8[:, t] * v_scale[t // block_n]``.
         seq_kv: the true key count ``Skv``.
         block_n: the key block of ``k_scale`` (and of the attention kernel).
         v_permuted: ``v_fp8``'s key columns are in :func:`v_key_permutation`'s order
@@ -179,12 +205,10 @@ def quantize_qkv_reference(
     kb = _bhsd(k, layout).to(torch.float32)
     vb = _bhsd(v, layout).to(torch.float32)
     batch, hkv, skv, d = kb.shape
-    count = torch.full((batch,), float(max(skv, 1)), device=kb.device)
     valid = torch.ones((batch, 1, skv, 1), dtype=torch.bool, device=kb.device)
     if key_lengths is not None:
         lengths = key_lengths.to(device=kb.device, dtype=torch.int64).clamp(0, skv)
         valid = (torch.arange(skv, device=kb.device)[None, :] < lengths[:, None])[:, None, :, None]
-        count = lengths.clamp_min(1).to(torch.float32)
         # where, not a product: -x * 0 is -0.0, whose FP8 byte (0x80) is not the kernels' 0x00
         kb, vb = torch.where(valid, kb, 0.0), torch.where(valid, vb, 0.0)
     nblk = -(-skv // block_n)
@@ -194,7 +218,12 @@ def quantize_qkv_reference(
     q_int8 = round_half_away(qb * inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
     q_scale = _divide(q_amax, INT8_MAX)
 
-    k_mean = kb.sum(dim=2) / count[:, None, None]
+    # K's mean over its strided sample, per sample of the batch (lengths differ)
+    lengths_list = lengths.tolist() if key_lengths is not None else [skv] * batch
+    k_mean = torch.empty((batch, hkv, d), dtype=torch.float32, device=kb.device)
+    for b, length in enumerate(lengths_list):
+        rows = kb[b, :, 0:length:k_mean_stride(length)]
+        k_mean[b] = _divide(rows.sum(dim=1), float(max(rows.shape[1], 1)))
     kc = torch.nn.functional.pad(torch.where(valid, kb - k_mean[:, :, None], 0.0), (0, 0, 0, pad))
     blocks = kc.reshape(batch, hkv, nblk, block_n, d)
     k_amax = blocks.abs().amax(dim=(-1, -2))
@@ -202,9 +231,10 @@ def quantize_qkv_reference(
     k_int8 = k_int8.to(torch.int8).reshape(batch, hkv, nblk * block_n, d)
     k_scale = _divide(k_amax, INT8_MAX)
 
-    v_amax = vb.abs().amax(dim=2)
-    v_scaled = vb * inverse_scale(v_amax, FP8_MAX)[:, :, None]
-    v_fp8 = torch.nn.functional.pad(v_scaled.clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, pad))
+    v_blocks = torch.nn.functional.pad(vb, (0, 0, 0, pad)).reshape(batch, hkv, nblk, block_n, d)
+    v_amax = v_blocks.abs().amax(dim=(-1, -2))
+    v_scaled = v_blocks * inverse_scale(v_amax, FP8_MAX)[..., None, None]
+    v_fp8 = v_scaled.clamp(-FP8_MAX, FP8_MAX).reshape(batch, hkv, nblk * block_n, d)
     v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2)
     if permute_v:
         perm = v_key_permutation(v_fp8.shape[-1], v_fp8.device)
@@ -224,7 +254,8 @@ def dequantize_qkv(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch
     q = qkv.q_int8.float() * qkv.q_scale[..., None]
     scale = qkv.k_scale.repeat_interleave(qkv.block_n, dim=-1)[..., None]
     k = (qkv.k_int8.float() * scale)[:, :, : qkv.seq_kv]
-    v = (natural_v(qkv).float() * qkv.v_scale[..., None]).transpose(-1, -2)[:, :, : qkv.seq_kv]
+    vscale = qkv.v_scale.repeat_interleave(qkv.block_n, dim=-1)[..., None, :]
+    v = (natural_v(qkv).float() * vscale).transpose(-1, -2)[:, :, : qkv.seq_kv]
     return q, k, v
 
 
@@ -286,11 +317,11 @@ def quantized_attention_reference(
         p8 = fp8_round(p)
         l_sum = l_sum * alpha + (p if row_sums == "float32" else p8).sum(dim=-1)
         pv = p8 @ vt[:, :, :, j * bn:(j + 1) * bn].transpose(-1, -2)
-        acc = acc * alpha[..., None] + pv
+        acc = acc * alpha[..., None] + pv * vs[:, :, j, None, None]
         m = m_new
     has = l_sum > 0
     safe = torch.where(has, l_sum, 1.0)
-    out = acc * vs[:, :, None, :] / safe[..., None]
+    out = acc / safe[..., None]
     if not return_lse:
         return out
     # K's mean was subtracted before the scores, shifting row i's log-sum-exp
@@ -347,11 +378,13 @@ def dit_like_qkv(gen: torch.Generator, shape, dtype: torch.dtype, device="cpu"):
 __all__ = [
     "FP8_MAX",
     "INT8_MAX",
+    "K_MEAN_SAMPLES",
     "QuantizedQKV",
     "dequantize_qkv",
     "dit_like_qkv",
     "fp8_round",
     "inverse_scale",
+    "k_mean_stride",
     "natural_v",
     "quantize_qkv_reference",
     "quantized_attention_reference",
