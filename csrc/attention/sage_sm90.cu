@@ -540,16 +540,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     // each copy is one straight-line block: with the two softmax variants behind a branch,
     // ptxas left P's packing after the join, where it cannot overlap the exponentials (the
     // peeled form measured 2-3% faster on the H200).
+    // Block j's ring slot (j % kStages) and phase ((j / kStages) & 1), stepped per block: the
+    // divisions by kStages sat at the head of every block's critical path (kernel 2.6-3.7%
+    // faster stepped on the H200). ptxas -v then reports a 4-byte spill in the non-split
+    // kernels: one value stored at entry and reloaded outside the main loop (SASS checked).
+    int stage = 0;
+    uint32_t parity = 0;
     const auto step = [&](const int j, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
-      const int stage = j % kStages;
-      const uint32_t parity = (j / kStages) & 1;
       const bool has_next = j + 1 < num_n_blocks;
+      const int following = stage + 1 == kStages ? 0 : stage + 1;
+      const uint32_t following_parity = following == 0 ? parity ^ 1u : parity;
       // (the last block issues a Q K^T of its own K again, discarded: see below)
-      const int next_stage = has_next ? (j + 1) % kStages : stage;
+      const int next_stage = has_next ? following : stage;
       const bool v_ready = mbar_test(&smem.v_full[stage], parity);
-      const bool k_ready =
-          !has_next || mbar_test(&smem.k_full[next_stage], ((j + 1) / kStages) & 1);
+      const bool k_ready = !has_next || mbar_test(&smem.k_full[next_stage], following_parity);
       const float k_factor = k_scale_next * p.qk_scale;
       k_scale_next = __ldg(k_scale + min(j + 1, num_n_blocks - 1));
       // A zero-scale block (its V and pv are 0) keeps the units; u == 0 gives ratio 0 on an o
@@ -569,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The last block issues a Q K^T of its own K again (discarded): an unconditional group
       // lets ptxas see which accumulators each wait releases (a conditional one serialized the
       // MMAs).
-      if (!k_ready) mbar_wait(&smem.k_full[next_stage], ((j + 1) / kStages) & 1);
+      if (!k_ready) mbar_wait(&smem.k_full[next_stage], following_parity);
       turn_begin();
       wgmma_fence();  // P's fragments and s's last readers, before both groups
       issue_pv(pv, pa, smem.v[stage]);
@@ -582,6 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(&smem.kv_empty[stage]);  // V^T of this stage is no longer read (K may be,
                                            // by the discarded last Q K^T: no load follows it)
       fold(o, pv, alpha_lo, alpha_hi, unit_ratio);
+      stage = following;
+      parity = following_parity;
     };
     // Only the last block can hold keys past kv_len: every earlier one ends at or before
     // (kv_blocks - 1) * kSageBlockN < kv_len.
