@@ -1,0 +1,86 @@
+"""Time the Hopper quantized attention kernel (``omni_sage_sm90``) alone, for A/B runs.
+
+One line per shape, ``RESULT <tag> <shape> kernel <ms> ms <TFLOP/s> TFLOP/s dit cos <c> rel <r>``,
+so that several builds of ``omni_kernels._C`` (see ``scripts/cuda_variant_ab.sh``) can be run
+one after the other in the same call and compared with ``grep RESULT``:
+
+* time: the attention kernel alone (no quantization, no dispatch) on
+  ``quantize_qkv(block_n=128, permute_v=True)`` outputs of ``randn`` bf16 inputs,
+  ``triton.testing.do_bench`` median (warmup 10, rep 60);
+* accuracy: mean row cosine and relative L2 error against float32 attention on the DiT-like
+  inputs of :func:`~omni_kernels.attention.quantized.reference.dit_like_qkv` (2 heads, the
+  first 1024 queries; ``bench/quantized_attention_tune.py``'s ``errors``), through the whole
+  quantized forward.
+
+Usage (on an sm_90 GPU with the extension built)::
+
+    python3 bench/sm90_kernel_alone.py TAG [--shapes flux,wan720,hunyuan]
+
+TFLOP/s-equivalent is ``4*B*H*S*S*D / t``. For the figures the README quotes, use
+``bench/attention.py`` (end to end, every backend in one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from bench.quantized_attention_tune import SHAPES, errors  # noqa: E402
+from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
+    CUDA_SM90_CONFIG,
+    cuda_sm90_unsupported_reason,
+    sage_attention_forward,
+    sage_attention_quantized,
+)
+from omni_kernels.attention.quantized.quantize import quantize_qkv  # noqa: E402
+from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tag", help="a name for this build, printed on every line")
+    parser.add_argument("--shapes", default="flux,wan720,hunyuan",
+                        help=f"comma-separated, from {sorted(SHAPES)}")
+    args = parser.parse_args(argv)
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        parser.error(f"--shapes must name some of {sorted(SHAPES)}; got {args.shapes!r}")
+    if not torch.cuda.is_available():
+        print("sm90_kernel_alone.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    reason = cuda_sm90_unsupported_reason(device, 128, torch.bfloat16)
+    if reason is not None:
+        print(f"sm90_kernel_alone.py: {reason}", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device).manual_seed(0)
+    for name in names:
+        b, h, s, d = SHAPES[name]
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
+        out = torch.empty_like(q)
+        ms = triton.testing.do_bench(
+            lambda: sage_attention_quantized(qkv, out, layout="bhsd", scale=d ** -0.5,
+                                             config=CUDA_SM90_CONFIG),
+            warmup=10, rep=60, return_mode="median")
+        tflops = 4 * b * h * s * s * d / ms / 1e9
+        qkv = out = q = k = v = None  # free the timing inputs before the accuracy inputs
+        q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, "cuda")
+        cos, rel = errors(sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG), q, k, v)
+        q = k = v = None
+        print(f"RESULT {args.tag:8s} {name:8s} kernel {ms:8.3f} ms {tflops:6.1f} TFLOP/s  "
+              f"dit cos {cos:.5f} rel {rel:.3e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
