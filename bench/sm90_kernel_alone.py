@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
-from bench.quantized_attention_tune import SHAPES, errors  # noqa: E402
+from bench.quantized_attention_tune import SHAPES, errors, flops  # noqa: E402
 from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
     CUDA_SM90_CONFIG,
     cuda_sm90_unsupported_reason,
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             lambda: sage_attention_quantized(qkv, out, layout="bhsd", scale=d ** -0.5,
                                              config=CUDA_SM90_CONFIG),
             warmup=10, rep=60, return_mode="median")
-        tflops = 4 * b * h * s * s * d / ms / 1e9
+        tflops = flops(b, h, s, d) / ms / 1e9
         qkv = out = q = k = v = None  # free the timing inputs before the accuracy inputs
         q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, "cuda")
         cos, rel = errors(sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG), q, k, v)

@@ -535,17 +535,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     // load's latency never sits before the fold.
     float k_scale_next = num_n_blocks > 0 ? __ldg(k_scale) : 0.0f;
     float v_scale_next = num_n_blocks > 0 ? __ldg(v_scale) : 0.0f;
-    // One key block; kMasked (the last block alone, when kv_len is not a multiple of
-    // kSageBlockN) masks keys past kv_len. The masked block is peeled off the loop so that
-    // each copy is one straight-line block: with the two softmax variants behind a branch,
-    // ptxas left P's packing after the join, where it cannot overlap the exponentials (the
-    // peeled form measured 2-3% faster on the H200).
     // Block j's ring slot (j % kStages) and phase ((j / kStages) & 1), stepped per block: the
     // divisions by kStages sat at the head of every block's critical path (kernel 2.6-3.7%
     // faster stepped on the H200). ptxas -v then reports a 4-byte spill in the non-split
     // kernels: one value stored at entry and reloaded outside the main loop (SASS checked).
     int stage = 0;
     uint32_t parity = 0;
+    // One key block; kMasked (the last block alone, when kv_len is not a multiple of
+    // kSageBlockN) masks keys past kv_len. The masked block is peeled off the loop so that
+    // each copy is one straight-line block: with the two softmax variants behind a branch,
+    // ptxas left P's packing after the join, where it cannot overlap the exponentials (the
+    // peeled form measured 2-3% faster on the H200).
     const auto step = [&](const int j, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       const bool has_next = j + 1 < num_n_blocks;
