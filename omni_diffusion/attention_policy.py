@@ -52,8 +52,8 @@ class FullPrecisionPolicy:
         quantized_backend: the lossy backend for the other calls, or ``"auto"`` (the
             default): ``backend="auto"`` with lossy backends allowed, which takes a lossy
             backend only where the auto table lists one for the GPU and the call is past
-            its measured crossover (on the H200: ``omni_sage_sm90`` from 7401 tokens; a
-            Flux 1024^2 call, 4608 tokens, stays on cuDNN, which is faster there), and
+            its measured crossover (on the H200: ``omni_sage_sm90`` from 4608 tokens, Flux
+            1024^2's length; a 2048-token call stays on cuDNN, which is faster there), and
             otherwise the fastest exact backend; the choice is logged. Name a backend
             (``"omni_sage"``) to quantize every other call whatever the table says.
         full_precision_backend: a lossless backend name, or ``"auto"`` (lossless auto).
