@@ -41,10 +41,11 @@ depends on each block's running max, so a one-shot softmax would differ):
 * each block's ``p_fp8 @ v_fp8`` is formed in a fresh float32 tile, multiplied
   by the block's ``v_scale[j]`` and added to the running accumulator
   (two-level accumulation: Hopper's FP8 MMA keeps only ~14 bits of its own
-  accumulator, so it never sums across blocks). The kernels keep ``acc`` in
-  units of the latest nonzero block scale instead (the fold's factor becomes
-  ``alpha * old / new``: still one FMA an element, and the unit is applied
-  once at the end), which differs from this form by float32 rounding only;
+  accumulator, so it never sums across blocks). The Triton kernel does just
+  this; the Hopper CUDA kernel keeps ``acc`` in units of the latest nonzero
+  block scale instead (the fold's factor becomes ``alpha * old / new``: one FMA
+  an element, the unit applied once at the end), which differs from this form
+  by float32 rounding only;
 * ``out = acc / l`` with ``l`` the sum of the (unrounded) ``p``;
   ``lse = (m + log2(l)) * ln(2) + scale * q_kmean`` with ``q_kmean = q . k_mean``
   of the unquantized q (float32, from the Q quantization pass): the natural-log
