@@ -210,7 +210,9 @@ def test_accel_config_fused_norm_rope(family):
     pipe = tiny_pipeline(family)
 
     def run():
-        return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe)))
+        # 16x16 (HunyuanVideo: 32 video tokens, not 128): the fused kernel runs in Triton's
+        # interpreter one token a program, ~70 s of CI at 32x32
+        return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe, height=16, width=16)))
 
     reference = run()
     original, fused = FUSED[family]

@@ -154,9 +154,10 @@ def bad_config_case(rank, world, family, config, hide_vae_module=False, strip_pl
     return message
 
 
-def accelerate_case(rank, world, family, parallel, accel):
+def accelerate_case(rank, world, family, parallel, accel, call=None):
     """accelerate() with ``parallel`` composed with other features (``accel`` dict)
-    against accelerate() with the same features on one process."""
+    against accelerate() with the same features on one process; ``call`` overrides
+    tiny_call_kwargs' arguments (a smaller image, say)."""
     import omni_diffusion as od
     from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
 
@@ -164,7 +165,7 @@ def accelerate_case(rank, world, family, parallel, accel):
 
     def generate():
         with torch.no_grad():
-            return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe))).float()
+            return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe, **(call or {})))).float()
 
     od.accelerate(pipe, od.AccelConfig(**accel))
     ref = generate()
