@@ -452,6 +452,20 @@ def test_sm90_split_plan(blocks, kv_blocks, requested, expected):
     assert torch.ops.omni_kernels.sage_attention_sm90_split_plan(blocks, kv_blocks, 132, requested) == expected
 
 
+def test_python_split_bound_is_the_kernels_cap():
+    """SageConfig's kv_splits bound (MAX_KV_SPLITS, Python) is the CUDA plan's own cap
+    (kSageMaxSplits, C++): a one-CTA tail with room for 132 parts gets exactly that many."""
+    from omni_kernels._extension import has_compiled_extension
+    from omni_kernels.attention.quantized.attention_kernel import MAX_KV_SPLITS
+
+    if not (has_compiled_extension() and hasattr(torch.ops.omni_kernels, "sage_attention_sm90_split_plan")):
+        pytest.skip("needs omni's compiled extension with the sm90 attention")
+    assert torch.ops.omni_kernels.sage_attention_sm90_split_plan(133, 100000, 132, 0) == [132, MAX_KV_SPLITS]
+    SageConfig(128, 128, 12, 3, kernel="cuda_sm90", kv_splits=MAX_KV_SPLITS)
+    with pytest.raises(ValueError, match="kv_splits"):
+        SageConfig(128, 128, 12, 3, kernel="cuda_sm90", kv_splits=MAX_KV_SPLITS + 1)
+
+
 def test_cuda_quantizer_refusals_and_fake_shapes():
     """The CUDA quantizer names what it cannot take; its fake gives QuantizedQKV's shapes
     (checked under FakeTensorMode: no GPU needed)."""

@@ -297,7 +297,7 @@ class SageConfig:
                 + ("+bias" if self.score_bias else ""))
 
 
-MAX_KV_SPLITS = 8  # csrc/attention/sage_sm90_params.h's kSageMaxSplits
+MAX_KV_SPLITS = 8  # csrc/attention/sage_sm90_params.h's kSageMaxSplits (a test checks they agree)
 
 
 CUDA_SM90_CONFIG = SageConfig(128, 128, 12, 3, kernel="cuda_sm90")
