@@ -27,7 +27,7 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
   fold (``acc * alpha + tile * v_scale``, as :mod:`.reference` writes it), and
   ``1 / l`` once, in the epilogue. (Keeping ``acc`` in units of the latest block
   scale instead, one loop-carried scalar and no multiply per element, measured
-  4-5% slower on the H200.)
+  5% slower at Flux and 0-5% at HunyuanVideo on the H200.)
 * K/V are padded to a multiple of ``BLOCK_N`` by the quantizer (zeros), so the
   loop loads without masks; only the last partial block (``Skv`` or
   ``key_lengths[b]`` not a multiple of ``BLOCK_N``) masks scores to ``-inf``.
