@@ -14,7 +14,7 @@
 # the build's name as its last argument; default: python3 bench/sm90_kernel_alone.py.
 # Lines the timing command prints with RESULT are echoed.
 #
-# Environment as scripts/device_gpu.sh (CUDA_HOME, OMNI_CUDA_ARCHS default 90a); build logs
+# Environment: scripts/gpu_build_env.sh (CUDA_HOME, OMNI_CUDA_ARCHS default 90a); build logs
 # go to $OUT (or /tmp) as build_<name>.log. The tree's own .so is put back at the end.
 set -uo pipefail
 
@@ -38,10 +38,9 @@ done
 # shellcheck source=scripts/carried_wheels.sh
 source scripts/carried_wheels.sh
 unset TRITON_INTERPRET
-export PYTHONUNBUFFERED=1 OMNI_REQUIRE_CUDA_EXT=1 OMNI_CUDA_ARCHS=${OMNI_CUDA_ARCHS:-90a}
-if [ -z "${CUDA_HOME:-}" ]; then
-    for c in /usr/local/cuda-13.0 /usr/local/cuda; do [ -x "$c/bin/nvcc" ] && { export CUDA_HOME=$c; break; }; done
-fi
+export PYTHONUNBUFFERED=1 OMNI_REQUIRE_CUDA_EXT=1
+# shellcheck source=scripts/gpu_build_env.sh
+source scripts/gpu_build_env.sh
 logs=${OUT:-/tmp}
 work=$(mktemp -d)
 cp "$source_file" "$work/head.src"

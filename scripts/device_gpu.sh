@@ -37,12 +37,8 @@ unset TRITON_INTERPRET
 # shellcheck source=scripts/carried_wheels.sh
 source scripts/carried_wheels.sh
 
-if [ -z "${CUDA_HOME:-}" ]; then
-    for dir in /usr/local/cuda-13.0 /usr/local/cuda; do
-        if [ -x "$dir/bin/nvcc" ]; then export CUDA_HOME=$dir; break; fi
-    done
-fi
-export OMNI_CUDA_ARCHS=${OMNI_CUDA_ARCHS:-90a}
+# shellcheck source=scripts/gpu_build_env.sh
+source scripts/gpu_build_env.sh
 out_dir=${OUT:-bench/results}
 
 echo "== environment"
