@@ -347,6 +347,12 @@ def _t5_embeds(pipe, text: str, length: int = 16) -> torch.Tensor:
         return pipe.text_encoder(ids.input_ids, ids.attention_mask).last_hidden_state
 
 
+#: tiny_call_kwargs overrides for a 16x16 call (a quarter of the default 32x32's image tokens), for
+#: tests whose kernels run in Triton's interpreter one token a program (the fused QK-norm + RoPE):
+#: at 32x32 a tiny HunyuanVideo's took ~100 s of a 2-core CI machine, a Flux's ~50 s
+SMALL_CALL = {"height": 16, "width": 16}
+
+
 def tiny_call_kwargs(family: str, steps: int = 3, seed: int = 0, cfg: bool = True, pipe: Any = None,
                      **overrides) -> dict:
     """Arguments for a small, deterministic call of a :func:`tiny_pipeline`.

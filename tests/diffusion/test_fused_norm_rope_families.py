@@ -21,7 +21,7 @@ pytest.importorskip("diffusers")
 import omni_diffusion as od  # noqa: E402
 from omni_diffusion.adapters import adapter_for_transformer  # noqa: E402
 from omni_diffusion.adapters.qwen_image import rotary_tables_from_complex  # noqa: E402
-from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
+from omni_diffusion.testing import SMALL_CALL, output_tensor, tiny_call_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 from omni_kernels._triton import triton_interpreter_enabled  # noqa: E402
 
 FUSED = {
@@ -210,9 +210,7 @@ def test_accel_config_fused_norm_rope(family):
     pipe = tiny_pipeline(family)
 
     def run():
-        # 16x16 (HunyuanVideo: 32 video tokens, not 128): the fused kernel runs in Triton's
-        # interpreter one token a program, ~70 s of CI at 32x32
-        return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe, height=16, width=16)))
+        return output_tensor(pipe(**tiny_call_kwargs(family, steps=2, pipe=pipe, **SMALL_CALL)))
 
     reference = run()
     original, fused = FUSED[family]

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from omni_diffusion.testing import SMALL_CALL
+
 TOL = 1e-4
-#: a 16x16 call instead of tiny_call_kwargs' 32x32 (a quarter of the image tokens), for the cases
-#: whose fused QK-norm + RoPE kernel runs in Triton's interpreter one token a program: at 32x32
-#: HunyuanVideo's took ~100 s of CI, Flux's ~50 s each
-SMALL = {"height": 16, "width": 16}
 
 CASES = [
     ("flux", {"ulysses": 2}, {"attention": "sdpa_math"}, TOL),
@@ -23,11 +21,11 @@ CASES = [
                          "quant_min_features": 0}, 5e-2),
     # the fused QK-norm + RoPE processors under each sequence split and tensor parallelism
     # (Wan's norm spans the heads: under tp its sharded norm keeps diffusers' path)
-    ("flux", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL),
-    ("flux", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL),
+    ("flux", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL_CALL),
+    ("flux", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL_CALL),
     ("wan", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
     ("wan", {"tp": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
-    ("hunyuan_video", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL),
+    ("hunyuan_video", {"ulysses": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL, SMALL_CALL),
     ("qwen_image", {"ring": 2}, {"attention": "sdpa_math", "fused_norm_rope": True}, TOL),
 ]
 
