@@ -78,13 +78,16 @@ std::vector<std::string> fp8_gemm_cublaslt_plans();
 // back). Keys >= key_lengths[b] (int32 [B], optional) and >= seq_kv are masked. kv_splits: the
 // last wave's query blocks are cut into kv_splits key ranges (1: never, 2..8: forced, 0: the
 // plan of attention/sage_sm90_params.h, sage_split_plan), merged in the kernel.
+// programmatic_launch: launch as a programmatic dependent (PDL) of the stream's previous kernel
+// (the quantizer's): the CTAs set up while it finishes and wait for it before any global read.
 void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_scale,
                          const torch::Tensor& q_kmean, const torch::Tensor& k_int8,
                          const torch::Tensor& k_scale, const torch::Tensor& v_fp8,
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out,
-                         const std::optional<torch::Tensor>& lse, int64_t kv_splits);
+                         const std::optional<torch::Tensor>& lse, int64_t kv_splits,
+                         bool programmatic_launch);
 // sage_attention_sm90's plan for a grid of `blocks` query blocks over `kv_blocks` key blocks on
 // `sms` SMs: [split_first, splits] (attention/sage_sm90_params.h, sage_split_plan).
 std::vector<int64_t> sage_attention_sm90_split_plan(int64_t blocks, int64_t kv_blocks, int64_t sms,

@@ -49,7 +49,8 @@ TORCH_LIBRARY(omni_kernels, ops) {
   ops.def(
       "sage_attention_sm90(Tensor q_int8, Tensor q_scale, Tensor q_kmean, Tensor k_int8, "
       "Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? key_lengths, int seq_kv, "
-      "float scale, Tensor(a!) out, Tensor(b!)? lse, int kv_splits=0) -> ()");
+      "float scale, Tensor(a!) out, Tensor(b!)? lse, int kv_splits=0, "
+      "bool programmatic_launch=False) -> ()");
   ops.impl("sage_attention_sm90", torch::kCUDA, &sage_attention_sm90);
   ops.def("sage_attention_sm90_split_plan(int blocks, int kv_blocks, int sms, int kv_splits) -> int[]",
           &sage_attention_sm90_split_plan);

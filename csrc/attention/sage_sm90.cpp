@@ -45,7 +45,8 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
                          const torch::Tensor& v_scale,
                          const std::optional<torch::Tensor>& key_lengths, int64_t seq_kv,
                          double scale, torch::Tensor& out,
-                         const std::optional<torch::Tensor>& lse, int64_t kv_splits) {
+                         const std::optional<torch::Tensor>& lse, int64_t kv_splits,
+                         bool programmatic_launch) {
   TORCH_CHECK(q_int8.is_cuda(), kOp, ": q_int8 must be a CUDA tensor");
   TORCH_CHECK(q_int8.dim() == 4 && k_int8.dim() == 4, kOp,
               ": q_int8 and k_int8 must be 4-D [B, H, S, 128]; got ", q_int8.dim(), "-D and ",
@@ -149,7 +150,8 @@ void sage_attention_sm90(const torch::Tensor& q_int8, const torch::Tensor& q_sca
   const auto kind = out_dtype == torch::kBFloat16 ? omni::attention::SageOutKind::kBFloat16
                                                   : omni::attention::SageOutKind::kFloat16;
   const cudaError_t err =
-      omni::attention::launch_sage_attention_sm90(p, kind, at::cuda::getCurrentCUDAStream());
+      omni::attention::launch_sage_attention_sm90(p, kind, at::cuda::getCurrentCUDAStream(),
+                                                  programmatic_launch);
   TORCH_CHECK(err != cudaErrorNoKernelImageForDevice && err != cudaErrorInvalidDeviceFunction,
               kOp, ": this build of omni_kernels has no sm_90a code for it; rebuild with ",
               "OMNI_CUDA_ARCHS including 90a");

@@ -28,6 +28,10 @@
 // as they are), running max and row sum, and the part that finishes last (a counter
 // per block) merges the others' and writes the output and LSE.
 //
+// Launched as a programmatic dependent (PDL) of the quantizer's kernel when the caller asks: a
+// CTA initializes its barriers and the ones rows while the quantizer's last wave runs, then
+// waits (griddepcontrol.wait) for that grid before its first global read.
+//
 // P as an A operand: a thread's float32 accumulator holds, per 8-column chunk c, the columns
 // 8c + 2t and 8c + 2t + 1 (t = lane % 4) of rows g and g + 8 (g = lane / 4); an 8-bit A
 // fragment wants columns 4t..4t+3 (and 16 + 4t..) of one row in each register. Instead of
@@ -182,6 +186,13 @@ template <typename T, int N>
 __device__ __forceinline__ void fence_operands(T (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(reinterpret_cast<uint32_t&>(d[i]))::"memory");
+}
+
+// ---- programmatic dependent launch: waits until the grids this one depends on (the stream's
+// previous kernel, when launched with the PDL attribute) have completed and their writes are
+// visible; returns at once for a plain launch.
+__device__ __forceinline__ void wait_for_previous_grid() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
 // ---- named barriers (id 0 is __syncthreads')
@@ -415,13 +426,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b = bh / p.shape.heads;
   const int h = bh % p.shape.heads;
   const int kv_bh = b * p.shape.kv_heads + h / (p.shape.heads / p.shape.kv_heads);
-  int kv_len = p.shape.seq_kv;
-  if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.shape.seq_kv);
-  const int kv_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
-  // this CTA's key blocks: [j_begin, j_begin + num_n_blocks) (a split part may get none)
-  const int part_blocks = (kv_blocks + parts - 1) / parts;
-  const int j_begin = min(part * part_blocks, kv_blocks);
-  const int num_n_blocks = min(kv_blocks - j_begin, part_blocks);
   const int warpgroup = threadIdx.x / 128;
 
   // The ones rows after every V^T stage's tile, written once (TMA never touches them). The proxy
@@ -442,6 +446,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  // Everything above touches only this CTA's shared memory; with PDL it overlapped the
+  // quantizer's last wave. Every global read comes after this (key_lengths too: a kernel of the
+  // caller's may have written it just before the quantizer ran).
+  wait_for_previous_grid();
+  int kv_len = p.shape.seq_kv;
+  if (p.key_lengths != nullptr) kv_len = min(max(p.key_lengths[b], 0), p.shape.seq_kv);
+  const int kv_blocks = (kv_len + kSageBlockN - 1) / kSageBlockN;
+  // this CTA's key blocks: [j_begin, j_begin + num_n_blocks) (a split part may get none)
+  const int part_blocks = (kv_blocks + parts - 1) / parts;
+  const int j_begin = min(part * part_blocks, kv_blocks);
+  const int num_n_blocks = min(kv_blocks - j_begin, part_blocks);
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -740,7 +755,7 @@ cudaError_t prepare(int smem_bytes) {
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
+cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream, bool programmatic_launch) {
   const int64_t num_m_blocks = (p.shape.seq_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = num_m_blocks * p.shape.batch * p.shape.heads;
   if (p.splits < 1 || p.split_first > blocks || (p.splits == 1 && p.split_first != blocks) ||
@@ -763,16 +778,30 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
                                kv_heads * kSageHeadDim)) != cudaSuccess) {
     return err;
   }
-  // The whole query blocks, then (same stream: after them) the split parts of the rest.
+  // The whole query blocks, then (same stream: after them) the split parts of the rest. Only
+  // the first launch is a programmatic dependent: the split parts run after the whole blocks.
+  const auto launch = [&](auto kernel, unsigned grid, bool programmatic) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    config.stream = stream;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = programmatic ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, p, q_map, k_map, v_map);
+  };
   if (p.split_first > 0) {
-    sage_sm90_kernel<OutT, false><<<static_cast<unsigned>(p.split_first), kThreads, smem_bytes,
-                                    stream>>>(p, q_map, k_map, v_map);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = launch(&sage_sm90_kernel<OutT, false>, static_cast<unsigned>(p.split_first),
+                 programmatic_launch);
+    if (err != cudaSuccess) return err;
   }
   if (p.splits > 1 && blocks > p.split_first) {
     const unsigned parts = static_cast<unsigned>((blocks - p.split_first) * p.splits);
-    sage_sm90_kernel<OutT, true><<<parts, kThreads, smem_bytes, stream>>>(p, q_map, k_map, v_map);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = launch(&sage_sm90_kernel<OutT, true>, parts, programmatic_launch && p.split_first == 0);
+    if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
@@ -780,9 +809,10 @@ cudaError_t launch_typed(const SageSm90Params& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       cudaStream_t stream) {
-  return out_kind == SageOutKind::kBFloat16 ? launch_typed<__nv_bfloat16>(params, stream)
-                                            : launch_typed<__half>(params, stream);
+                                       cudaStream_t stream, bool programmatic_launch) {
+  return out_kind == SageOutKind::kBFloat16
+             ? launch_typed<__nv_bfloat16>(params, stream, programmatic_launch)
+             : launch_typed<__half>(params, stream, programmatic_launch);
 }
 
 }  // namespace attention

@@ -97,9 +97,10 @@ inline SageShape make_sage_shape(int64_t batch, int64_t heads, int64_t kv_heads,
 enum class SageOutKind : int { kBFloat16 = 0, kFloat16 = 1 };
 
 // Launches the kernel on `stream`; returns cudaSuccess or the first CUDA error (a build
-// without sm_90a code gives cudaErrorNoKernelImageForDevice).
+// without sm_90a code gives cudaErrorNoKernelImageForDevice). programmatic_launch: the first
+// launch is a programmatic dependent (PDL) of the stream's previous kernel (see sage_sm90.cu).
 cudaError_t launch_sage_attention_sm90(const SageSm90Params& params, SageOutKind out_kind,
-                                       cudaStream_t stream);
+                                       cudaStream_t stream, bool programmatic_launch);
 
 }  // namespace attention
 }  // namespace omni

@@ -956,6 +956,71 @@ def test_gpu_cuda_sm90_v_block_scales_of_mixed_magnitude(kv_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["triton", "cuda_sm90", "cuda_sm90-split-lengths"])
+def test_gpu_programmatic_launch_gives_the_same_bytes(case, monkeypatch):
+    """The chain K mean -> codes -> attention launched as programmatic dependents (PDL, Hopper)
+    against plain launches: the same bytes, eager and replayed in a CUDA graph. The calls
+    alternate between two inputs, so a kernel that read before its wait would find the other
+    input's codes (the caching allocator hands the freed buffers of one call to the next)."""
+    from omni_kernels import _launch
+
+    implementation = case.split("-")[0]
+    if implementation == "cuda_sm90":
+        _skip_without_cuda_sm90()
+    elif torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
+    if not _launch.programmatic_launch_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0, Triton's "
+                    "grid dependency control and OMNI_PDL != 0")
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    # one head of 1000 keys: few CTAs, so a split plan splits every query block
+    shape = (2, 3, 1000, 128) if case.endswith("lengths") else (1, 24, 1536, 128)
+    inputs = [dit_like_qkv(gen, shape, torch.bfloat16, "cuda") for _ in range(2)]
+    lengths = (torch.tensor([1000, 333], device="cuda", dtype=torch.int32)
+               if case.endswith("lengths") else None)
+    config = CUDA_SM90_CONFIG if implementation == "cuda_sm90" else None
+    if case.endswith("split-lengths"):
+        config = dataclasses.replace(CUDA_SM90_CONFIG, kv_splits=3)
+
+    def run(i, out=None, lse=None):
+        q, k, v = inputs[i]
+        got = sage_attention_forward(q, k, v, key_lengths=lengths, return_lse=True,
+                                     out=out, config=config)
+        if lse is not None:
+            lse.copy_(got[1])
+        return got
+
+    monkeypatch.setattr(_launch, "_PDL_ALLOWED", False)
+    plain = [tuple(t.clone() for t in run(i)) for i in (0, 1)]
+    monkeypatch.setattr(_launch, "_PDL_ALLOWED", True)
+    for round_ in range(3):
+        for i in (0, 1):
+            out = torch.full_like(inputs[i][0], float("nan"))
+            got_out, got_lse = run(i, out=out)
+            _assert_same_bytes(got_out, plain[i][0], f"{case} PDL input {i} round {round_}: out")
+            _assert_same_bytes(got_lse, plain[i][1], f"{case} PDL input {i} round {round_}: lse")
+    # captured with PDL edges, replayed twice over the two inputs
+    static_in = [t.clone() for t in inputs[0]]
+    static_out = torch.empty_like(static_in[0])
+    static_lse = torch.empty(static_in[0].shape[:3], device="cuda")
+    saved = inputs[0]
+    inputs[0] = static_in
+    run(0, out=static_out, lse=static_lse)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(0, out=static_out, lse=static_lse)
+    for i in (1, 0):
+        for dst, src in zip(static_in, saved if i == 0 else inputs[1]):
+            dst.copy_(src)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same_bytes(static_out, plain[i][0], f"{case} CUDA graph input {i}: out")
+        _assert_same_bytes(static_lse, plain[i][1], f"{case} CUDA graph input {i}: lse")
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_sm90_op_argument_errors():
     """The C++ op's own checks: natural-order shapes it cannot take raise naming the argument."""
     _skip_without_cuda_sm90()

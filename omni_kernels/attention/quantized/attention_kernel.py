@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_kernels._launch import gdc_wait, programmatic_launch_enabled
 from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
@@ -144,7 +145,10 @@ def _sage_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KEY_LENGTHS: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr,
     EMULATE_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SCORE_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched while the quantizer may still run: wait for its codes first
+        gdc_wait()
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -458,11 +462,14 @@ def sage_attention_quantized(
     lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=out.device) if return_lse else None
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=out.device, dtype=torch.int32).contiguous()
+    # Launched as a programmatic dependent of the kernel before it (the quantizer's, in
+    # sage_attention_forward; omni_kernels._launch): it waits for that grid before any read.
+    pdl = programmatic_launch_enabled(out.device)
     if cfg.kernel == "cuda_sm90":
         out4 = out if layout == "bhsd" else out.transpose(1, 2)  # the op takes a [B, H, S, D] view
         torch.ops.omni_kernels.sage_attention_sm90(
             qkv.q_int8, qkv.q_scale, qkv.q_kmean, qkv.k_int8, qkv.k_scale, qkv.v_fp8, qkv.v_scale,
-            key_lengths, qkv.seq_kv, float(scale), out4, lse, cfg.kv_splits,
+            key_lengths, qkv.seq_kv, float(scale), out4, lse, cfg.kv_splits, pdl,
         )
         return (out, lse) if return_lse else out
     use_tma = bool(cfg.use_tma)
@@ -482,7 +489,7 @@ def sage_attention_quantized(
             EMULATE_FP8=triton_interpreter_enabled(),
             # the interpreter has no warp specialization (the loop is the same)
             WARP_SPECIALIZE=bool(cfg.warp_specialize) and not triton_interpreter_enabled(),
-            SCORE_BIAS=bool(cfg.score_bias),
+            SCORE_BIAS=bool(cfg.score_bias), USE_PDL=pdl, launch_pdl=pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

@@ -66,7 +66,8 @@ def _(q, k, v, layout, scale, key_lengths, implementation="triton"):
 
 
 def _fake_sage_attention_sm90(q_int8, q_scale, q_kmean, k_int8, k_scale, v_fp8, v_scale,
-                              key_lengths, seq_kv, scale, out, lse, kv_splits=0):
+                              key_lengths, seq_kv, scale, out, lse, kv_splits=0,
+                              programmatic_launch=False):
     return None  # writes out (and lse) in place
 
 

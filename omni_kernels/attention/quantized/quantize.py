@@ -6,17 +6,21 @@ these kernels produce the same bytes. Two launches:
 1. :func:`_k_mean_kernel`: K's mean over its strided sample (keys ``0, r, 2r, ...``,
    :func:`~.reference.k_mean_stride`), one program per kv head, in a fixed order
    (deterministic). It reads ~512 keys of each head, not the whole of K.
-2. :func:`_qkv_quant_kernel`: one 1-D grid of Q programs (``Q_BLOCK`` tokens:
-   INT8 with a scale per token, and ``q . k_mean`` from the unquantized q for
-   the log-sum-exp) followed by K/V programs (one key block: K minus its mean
-   to INT8 with one scale per block; V to FP8 e4m3 with one scale per block,
-   written transposed ``[B, Hkv, D, Skv_pad]`` as the FP8 MMA wants it).
+2. :func:`_qkv_quant_kernel`: one 1-D grid of V programs (one key block: V to
+   FP8 e4m3 with one scale per block, written transposed ``[B, Hkv, D, Skv_pad]``
+   as the FP8 MMA wants it), then Q programs (``Q_BLOCK`` tokens: INT8 with a
+   scale per token, and ``q . k_mean`` from the unquantized q for the
+   log-sum-exp), then K programs (one key block: K minus its mean to INT8 with
+   one scale per block).
 
 So each of Q, K and V is read once (and K's sample a second time): every scale
 is a maximum over what one program loads. (The format of the previous version,
 a mean over all keys and V scaled per channel over all tokens, needed a
 statistics pass over the whole of K and V first: ~25% of the bytes.) No PyTorch
-glue kernels between the launches.
+glue kernels between the launches. On Hopper the second launch is a
+programmatic dependent of the first (:mod:`omni_kernels._launch`): it starts
+while the K mean still runs, its V programs (first in the grid) need nothing of
+it, and the Q and K programs wait for it just before they read ``k_mean``.
 
 Inputs are read through strides (``bhsd`` or ``bshd``, any strides with the
 last dimension contiguous), in float16, bfloat16 or float32.
@@ -34,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_kernels._launch import gdc_launch_dependents, gdc_wait, programmatic_launch_enabled
 from omni_kernels._triton import cdiv, triton_interpreter_enabled
 from omni_kernels.attention.quantized.reference import (
     FP8_DTYPE,
@@ -49,8 +54,12 @@ from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 # end to end)
 K_MEAN_BLOCK = 256
 K_MEAN_WARPS = 8
-Q_BLOCK = 128  # Q rows a program (H200: 64 -> 128 took the codes launch from 48.2 to 43.7 us at Flux)
-CODES_WARPS = 8  # warps of the codes launch at key blocks of 128 (4 below)
+# Q rows a program, and the codes launch's warps (V, Q and K programs alike). H200, Flux 1024^2,
+# with PDL, the codes launch / the whole quantized call: 4 warps and 64 rows 48.5 / 370.3 us,
+# 8 and 128 49.8 / 371.5 (the best while a program did K and V together), 8 and 64 54.1 /
+# 375.4, 4 and 128 70.1 / 398.9; at Qwen-Image's 6889 tokens 66.0 against 71.6 us for 8 and 128.
+Q_BLOCK = 64
+CODES_WARPS = 4
 
 
 @triton.jit
@@ -100,10 +109,12 @@ def fp8_convert(x, EMULATE_FP8: tl.constexpr):
 def _k_mean_kernel(
     K, KMEAN, KEY_LENGTHS, stride_kb, stride_kh, stride_kn, num_kv_heads, seq_k,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SAMPLES: tl.constexpr,
-    HAS_KEY_LENGTHS: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """``k_mean`` of kv head ``program_id(0)``: the mean of keys ``0, r, 2r, ...`` below its
     length, ``r = max(1, length // SAMPLES) | 1`` (:func:`~.reference.k_mean_stride`)."""
+    if USE_PDL:  # the codes kernel may start now: its Q programs do not need k_mean until last
+        gdc_launch_dependents()
     bh = tl.program_id(0)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
@@ -132,7 +143,7 @@ def _k_mean_kernel(
 def _quant_q_block(
     Q, Q8, QS, KMEAN, QKMEAN, blk, bh,
     stride_qb, stride_qh, stride_qm, num_heads, num_kv_heads, seq_q,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Q rows ``[blk * BLOCK, +BLOCK)`` of head ``bh``: INT8 per token, and ``q . k_mean``."""
     b = (bh // num_heads).to(tl.int64)
@@ -152,20 +163,20 @@ def _quant_q_block(
     tl.store(Q8 + row64[:, None] * HEAD_DIM + offs_d[None, :], q8, mask=ok[:, None])
     tl.store(QS + row64, tl.math.div_rn(amax, amax * 0.0 + 127.0), mask=ok)
     # q . k_mean from the unquantized q: the LSE's share that K's smoothing took out
+    if USE_PDL:  # k_mean is the previous kernel's output
+        gdc_wait()
     k_mean = tl.load(KMEAN + kv_bh * HEAD_DIM + offs_d)
     tl.store(QKMEAN + row64, tl.sum(x * k_mean[None, :], 1), mask=ok)
 
 
 @triton.jit
-def _quant_kv_block(
-    K, V, KMEAN, K8, KS, VT8, VS, KEY_LENGTHS, blk, bh,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    num_kv_heads, seq_k, seq_k_pad, num_blocks,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
+def _quant_k_block(
+    K, KMEAN, K8, KS, KEY_LENGTHS, blk, bh,
+    stride_kb, stride_kh, stride_kn, num_kv_heads, seq_k, seq_k_pad, num_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Key block ``blk`` of kv head ``bh``: K smoothed to INT8 (one scale), V^T to FP8 (one
-    scale; ``PERMUTE_V``: key columns in ``reference.v_key_permutation``'s order)."""
+    """Key block ``blk`` of kv head ``bh``: K minus its (sampled) mean to INT8, one scale."""
     bh64 = bh.to(tl.int64)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
@@ -176,9 +187,10 @@ def _quant_kv_block(
         kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     ok = (rows < kv_len)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
-    # ---- K: subtract the (sampled) mean, one INT8 scale for the block
     k = tl.load(K + b * stride_kb + h * stride_kh + rows64 * stride_kn + offs_d[None, :],
                 mask=ok, other=0.0).to(tl.float32)
+    if USE_PDL:  # k_mean is the previous kernel's output (K's own load above may run first)
+        gdc_wait()
     kmean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
     kc = tl.where(ok, k - kmean[None, :], 0.0)  # padding rows stay 0
     amax = tl.max(tl.max(tl.abs(kc), 1), 0)
@@ -186,9 +198,27 @@ def _quant_kv_block(
     k8 = _round_half_away(kc * inv)
     tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
     tl.store(KS + bh64 * num_blocks + blk, tl.math.div_rn(amax, amax * 0.0 + 127.0))
-    # ---- V: one FP8 scale for the block, stored transposed [D, Skv_pad]. The permutation
-    # is applied to the rows loaded, so the stores run along contiguous key columns (the
-    # block's maximum does not depend on the order).
+
+
+@triton.jit
+def _quant_v_block(
+    V, VT8, VS, KEY_LENGTHS, blk, bh,
+    stride_vb, stride_vh, stride_vn, num_kv_heads, seq_k, seq_k_pad, num_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
+):
+    """Key block ``blk`` of kv head ``bh``: V^T to FP8 with one scale (``PERMUTE_V``: key
+    columns in ``reference.v_key_permutation``'s order). Needs nothing of the K mean."""
+    bh64 = bh.to(tl.int64)
+    b = (bh // num_kv_heads).to(tl.int64)
+    h = (bh % num_kv_heads).to(tl.int64)
+    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_len = seq_k
+    if HAS_KEY_LENGTHS:  # padding keys are written as 0 and stay out of the block scale
+        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
+    # The permutation is applied to the rows loaded, so the stores run along contiguous key
+    # columns (the block's maximum does not depend on the order).
     src = rows
     if PERMUTE_V:  # key 16a + r goes to column 16a + 4 ((r // 2) % 4) + 2 (r // 8) + r % 2,
         # so column 16a + c holds key 16a + 8 ((c // 2) % 2) + 2 (c // 4) + c % 2
@@ -210,25 +240,43 @@ def _qkv_quant_kernel(
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     num_heads, num_kv_heads, seq_q, seq_k, seq_k_pad, num_q_blocks, num_q_programs, num_blocks,
+    num_kv_programs,
     HEAD_DIM: tl.constexpr, Q_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EMULATE_FP8: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, PERMUTE_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Programs ``[0, num_q_programs)`` quantize Q blocks, the rest K/V blocks (block fastest)."""
+    """One program a V key block, a Q block or a K key block (block fastest): the first
+    ``num_kv_programs`` (``num_blocks * B * Hkv``) do V, the next ``num_q_programs`` Q, the
+    last ``num_kv_programs`` K.
+
+    ``USE_PDL``: launched as a programmatic dependent of :func:`_k_mean_kernel`, which may still
+    run. V needs nothing of it, so the V programs go first (the GPU starts programs roughly in
+    index order) and the K mean finishes under them; Q and K programs wait for it
+    (``gdc_wait``) just before they read ``k_mean``. The attention kernel after this one may
+    launch once every program here has started (its CTAs wait for this grid's completion
+    before reading the codes)."""
+    if USE_PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
-    if pid < num_q_programs:
+    if pid < num_kv_programs:
+        _quant_v_block(
+            V, VT8, VS, KEY_LENGTHS, pid % num_blocks, pid // num_blocks,
+            stride_vb, stride_vh, stride_vn, num_kv_heads, seq_k, seq_k_pad, num_blocks,
+            HEAD_DIM, BLOCK_N, EMULATE_FP8, HAS_KEY_LENGTHS, PERMUTE_V,
+        )
+    elif pid < num_kv_programs + num_q_programs:
+        pid -= num_kv_programs
         _quant_q_block(
             Q, Q8, QS, KMEAN, QKMEAN, pid % num_q_blocks, pid // num_q_blocks,
             stride_qb, stride_qh, stride_qm, num_heads, num_kv_heads, seq_q,
-            HEAD_DIM, Q_BLOCK,
+            HEAD_DIM, Q_BLOCK, USE_PDL,
         )
     else:
-        pid -= num_q_programs
-        _quant_kv_block(
-            K, V, KMEAN, K8, KS, VT8, VS, KEY_LENGTHS,
-            pid % num_blocks, pid // num_blocks,
-            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-            num_kv_heads, seq_k, seq_k_pad, num_blocks,
-            HEAD_DIM, BLOCK_N, EMULATE_FP8, HAS_KEY_LENGTHS, PERMUTE_V,
+        pid -= num_kv_programs + num_q_programs
+        _quant_k_block(
+            K, KMEAN, K8, KS, KEY_LENGTHS, pid % num_blocks, pid // num_blocks,
+            stride_kb, stride_kh, stride_kn, num_kv_heads, seq_k, seq_k_pad, num_blocks,
+            HEAD_DIM, BLOCK_N, HAS_KEY_LENGTHS, USE_PDL,
         )
 
 
@@ -269,6 +317,7 @@ def quantize_qkv(
     num_kv_bh = batch * hkv
     emulate = triton_interpreter_enabled()
     has_lengths = key_lengths is not None
+    pdl = programmatic_launch_enabled(device)
 
     k_mean = torch.empty((batch, hkv, d), dtype=torch.float32, device=device)
     skb, skh, skn = bhs_strides(k, layout)
@@ -277,7 +326,7 @@ def quantize_qkv(
         _k_mean_kernel[(num_kv_bh,)](
             k, k_mean, key_lengths if has_lengths else k_mean, skb, skh, skn, hkv, skv,
             HEAD_DIM=d, BLOCK_S=16 if emulate else K_MEAN_BLOCK, SAMPLES=K_MEAN_SAMPLES,
-            HAS_KEY_LENGTHS=has_lengths, num_warps=K_MEAN_WARPS,
+            HAS_KEY_LENGTHS=has_lengths, USE_PDL=pdl, num_warps=K_MEAN_WARPS,
         )
 
     q_int8 = torch.empty((batch, hq, sq, d), dtype=torch.int8, device=device)
@@ -290,16 +339,18 @@ def quantize_qkv(
     q_block = 16 if emulate else Q_BLOCK
     num_q_blocks = cdiv(sq, q_block)
     num_q_programs = num_q_blocks * batch * hq
-    grid = num_q_programs + nblk * num_kv_bh
+    num_kv_programs = nblk * num_kv_bh
+    grid = num_q_programs + 2 * num_kv_programs
     if grid:
         sqb, sqh, sqm = bhs_strides(q, layout)
         _qkv_quant_kernel[(grid,)](
             q, q_int8, q_scale, q_kmean, k, v, k_mean, k_int8, k_scale, v_fp8, v_scale,
             key_lengths if has_lengths else k_mean,
             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-            hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk,
+            hq, hkv, sq, skv, skv_pad, num_q_blocks, num_q_programs, nblk, num_kv_programs,
             HEAD_DIM=d, Q_BLOCK=q_block, BLOCK_N=block_n, EMULATE_FP8=emulate,
-            HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, num_warps=CODES_WARPS if block_n >= 128 else 4,
+            HAS_KEY_LENGTHS=has_lengths, PERMUTE_V=permute_v, USE_PDL=pdl, launch_pdl=pdl,
+            num_warps=CODES_WARPS,
         )
     return QuantizedQKV(q_int8, q_scale, k_int8, k_scale, k_mean, v_fp8, v_scale, skv, block_n, q_kmean,
                         permute_v)
