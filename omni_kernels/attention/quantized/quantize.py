@@ -113,7 +113,7 @@ def _k_mean_kernel(
 ):
     """``k_mean`` of kv head ``program_id(0)``: the mean of keys ``0, r, 2r, ...`` below its
     length, ``r = max(1, length // SAMPLES) | 1`` (:func:`~.reference.k_mean_stride`)."""
-    if USE_PDL:  # the codes kernel may start now: its Q programs do not need k_mean until last
+    if USE_PDL:  # the codes kernel may start now: its V programs need nothing of k_mean
         gdc_launch_dependents()
     bh = tl.program_id(0)
     b = (bh // num_kv_heads).to(tl.int64)
