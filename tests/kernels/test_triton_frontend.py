@@ -112,11 +112,35 @@ _SAGE_ARGS.update({name: "i32" for name in (
     "stride_ob", "stride_oh", "stride_om", "num_heads", "num_kv_heads", "seq_q", "seq_k", "seq_k_pad",
     "num_m_blocks")})
 CASES.update({
-    f"sage_attention{'-score-bias' if bias else ''}": (
+    f"sage_attention{'-score-bias' if bias else ''}{'-pdl' if pdl else ''}": (
         "omni_kernels.attention.quantized.attention_kernel", "_sage_fwd_kernel", _SAGE_ARGS,
         dict(q_desc=None, k_desc=None, v_desc=None, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, HAS_KEY_LENGTHS=True,
-             RETURN_LSE=True, USE_TMA=False, EMULATE_FP8=False, WARP_SPECIALIZE=False, SCORE_BIAS=bias))
-    for bias in (False, True)
+             RETURN_LSE=True, USE_TMA=False, EMULATE_FP8=False, WARP_SPECIALIZE=False, SCORE_BIAS=bias,
+             USE_PDL=pdl))
+    for bias, pdl in ((False, False), (True, False), (False, True))
+})
+# the quantizer of the quantized attention, with and without its grid dependency control (PDL)
+_SAGE_QUANT_ARGS = {name: "*bf16" for name in ("Q", "K", "V")}
+_SAGE_QUANT_ARGS.update({"Q8": "*i8", "QS": "*fp32", "QKMEAN": "*fp32", "KMEAN": "*fp32", "K8": "*i8",
+                         "KS": "*fp32", "VT8": "*fp8e4nv", "VS": "*fp32", "KEY_LENGTHS": "*i32"})
+_SAGE_QUANT_ARGS.update({name: "i32" for name in (
+    "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+    "stride_vn", "num_heads", "num_kv_heads", "seq_q", "seq_k", "seq_k_pad", "num_q_blocks", "num_q_programs",
+    "num_blocks", "num_kv_programs")})
+_K_MEAN_ARGS = {"K": "*bf16", "KMEAN": "*fp32", "KEY_LENGTHS": "*i32"}
+_K_MEAN_ARGS.update({name: "i32" for name in ("stride_kb", "stride_kh", "stride_kn", "num_kv_heads", "seq_k")})
+CASES.update({
+    f"sage_quantize_codes{'-pdl' if pdl else ''}": (
+        "omni_kernels.attention.quantized.quantize", "_qkv_quant_kernel", _SAGE_QUANT_ARGS,
+        dict(HEAD_DIM=128, Q_BLOCK=64, BLOCK_N=128, EMULATE_FP8=False, HAS_KEY_LENGTHS=True, PERMUTE_V=True,
+             USE_PDL=pdl))
+    for pdl in (False, True)
+})
+CASES.update({
+    f"sage_quantize_k_mean{'-pdl' if pdl else ''}": (
+        "omni_kernels.attention.quantized.quantize", "_k_mean_kernel", _K_MEAN_ARGS,
+        dict(HEAD_DIM=128, BLOCK_S=256, SAMPLES=512, HAS_KEY_LENGTHS=True, USE_PDL=pdl))
+    for pdl in (False, True)
 })
 
 
@@ -167,6 +191,8 @@ if __name__ == "__main__":
         try:
             ttir = _lower_to_ttir(*CASES[case])
             outcome[case] = "ok" if "tt.func" in ttir and "tt.store" in ttir else f"no kernel in the IR: {ttir[:500]}"
+            if outcome[case] == "ok" and case.endswith("-pdl") and "griddepcontrol" not in ttir:
+                outcome[case] = "no griddepcontrol in the IR of a USE_PDL=True case"
         except Exception as exc:  # reported per case by the test
             outcome[case] = f"{type(exc).__name__}: {exc}"[-2000:]
     print(json.dumps(outcome))
