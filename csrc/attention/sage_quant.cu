@@ -68,6 +68,20 @@ __device__ __forceinline__ float inverse_scale(float amax, float top) {
   return amax > 0.0f ? __fdiv_rn(top, amax) : 0.0f;
 }
 
+// x * (top / amax) for a group, as reference.scale_to_top: a group with amax < 2^-100 (where
+// top / amax can overflow to inf) is first multiplied by 2^100, x and amax alike (exact).
+struct TopScale {
+  float boost;
+  float inverse;
+};
+__device__ __forceinline__ TopScale top_scale(float amax, float top) {
+  const float boost = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+  return TopScale{boost, inverse_scale(amax * boost, top)};
+}
+__device__ __forceinline__ float scale_to_top(float x, TopScale s) {
+  return __fmul_rn(__fmul_rn(x, s.boost), s.inverse);
+}
+
 // x (|x| <= 127.5) to int8, nearest, ties away from zero; exact (floor and a subtraction).
 __device__ __forceinline__ uint32_t round_half_away_byte(float x) {
   const float ax = fabsf(x);
@@ -141,10 +155,10 @@ __device__ void quantize_q_block(const SageQuantParams& p, int blk, int bh) {
     float x[4];
     load4(q_head + row * p.q_ss, x);
     const float amax = warp_max(fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
-    const float inv = inverse_scale(amax, 127.0f);
+    const TopScale to_top = top_scale(amax, 127.0f);
     uint32_t word = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) word |= round_half_away_byte(__fmul_rn(x[i], inv)) << (8 * i);
+    for (int i = 0; i < 4; ++i) word |= round_half_away_byte(scale_to_top(x[i], to_top)) << (8 * i);
     const int64_t out_row = static_cast<int64_t>(bh) * p.shape.seq_q + row;
     reinterpret_cast<uint32_t*>(p.q_int8 + out_row * kD)[lane] = word;
     const float dot = warp_sum(x[0] * km.x + x[1] * km.y + x[2] * km.z + x[3] * km.w);
@@ -194,13 +208,13 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
   amax = reduce_shared[0];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, reduce_shared[w]);
-  const float inv = inverse_scale(amax, 127.0f);
+  const TopScale to_top = top_scale(amax, 127.0f);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int key = blk * kKeys + warp + kWarps * i;
     uint32_t word = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) word |= round_half_away_byte(__fmul_rn(kc[i][j], inv)) << (8 * j);
+    for (int j = 0; j < 4; ++j) word |= round_half_away_byte(scale_to_top(kc[i][j], to_top)) << (8 * j);
     reinterpret_cast<uint32_t*>(p.k_int8 + (static_cast<int64_t>(bh) * p.shape.seq_kv_pad + key) * kD)[lane] = word;
   }
   if (threadIdx.x == 0) p.k_scale[static_cast<int64_t>(bh) * nblk + blk] = __fdiv_rn(amax, 127.0f);
@@ -228,14 +242,14 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
   vmax = reduce_shared[kWarps];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) vmax = fmaxf(vmax, reduce_shared[kWarps + w]);
-  const float vinv = inverse_scale(vmax, 448.0f);
+  const TopScale v_to_top = top_scale(vmax, 448.0f);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp + kWarps * i;
-    // padding rows are +0: +0 * vinv is +0, byte 0x00
+    // padding rows are +0: +0 * boost * inverse is +0, byte 0x00
     float y[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) y[j] = fminf(fmaxf(__fmul_rn(vr[i][j], vinv), -448.0f), 448.0f);
+    for (int j = 0; j < 4; ++j) y[j] = fminf(fmaxf(scale_to_top(vr[i][j], v_to_top), -448.0f), 448.0f);
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
     reinterpret_cast<uint32_t*>(v_staged + r * kStagedRowBytes)[lane] = lo | (hi << 16);

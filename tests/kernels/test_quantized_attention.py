@@ -179,6 +179,46 @@ def test_v_blocks_of_mixed_magnitude(inputs, rel_err):
     assert (lse - ref_lse).abs().max().item() <= 1e-4
 
 
+def test_tiny_groups_quantize_as_at_normal_magnitude(inputs, rel_err):
+    """A group (Q row, K or V block) whose max |x| is below 2^-100, where ``top / amax``
+    overflows float32 (448 / amax under ~1.3e-36; bfloat16 and float32 inputs get there) and
+    ``0 * inf`` is NaN: its codes are those of the same values times 2^100, an exact scaling,
+    in the Triton kernel and the reference alike; no NaN reaches the attention."""
+    b, h, sq, skv, d, bn = 1, 2, 20, 48, 64, 16
+    boost = 2.0**100
+    q = inputs.activations((b, h, sq, d), torch.float32)
+    k = inputs.activations((b, h, skv, d), torch.float32)
+    v = inputs.activations((b, h, skv, d), torch.float32, outlier_channels=0)
+    q[:, :, :4] *= 1e-38  # tiny rows, subnormal values among them
+    q[:, :, 4] *= 1e-44   # a row of subnormals only
+    q[:, :, 0, :3] = 0.0
+    v[:, :, bn:2 * bn] *= 1e-38  # a tiny key block, with zeros in it
+    v[:, :, bn, :5] = 0.0
+    q_big, v_big = q.clone(), v.clone()
+    q_big[:, :, :5] *= boost
+    v_big[:, :, bn:2 * bn] *= boost
+    big = quantize_qkv_reference(q_big, k, v_big, block_n=bn)
+    for impl in (quantize_qkv_reference, quantize_qkv):
+        qkv = impl(q, k, v, block_n=bn)
+        assert torch.equal(qkv.q_int8, big.q_int8), impl.__name__
+        _assert_same_bytes(qkv.v_fp8, big.v_fp8, f"{impl.__name__}: v_fp8")
+        assert not qkv.v_fp8.float().isnan().any()
+        assert (qkv.q_scale[:, :, :5] > 0).all() and (qkv.v_scale[:, :, 1] > 0).all()
+    out, lse = sage_attention_forward(q, k, v, config=SageConfig(16, bn, 4, 1), return_lse=True)
+    ref = quantize_qkv_reference(q, k, v, block_n=bn)
+    ref_out, ref_lse = quantized_attention_reference(ref, scale=1 / math.sqrt(d), return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_err(out, ref_out) <= 1e-5
+    assert (lse - ref_lse).abs().max().item() <= 1e-4
+    # K all tiny (its mean and the centred blocks too): finite codes within a half step
+    k_tiny = k * 1e-38
+    for impl in (quantize_qkv_reference, quantize_qkv):
+        qkv = impl(q, k_tiny, v, block_n=bn)
+        assert (qkv.k_scale > 0).all() and qkv.k_int8.abs().max().item() > 100, impl.__name__
+        kd = dequantize_qkv(qkv)[1][:, :, :skv] + qkv.k_mean[:, :, None]
+        assert ((kd - k_tiny).abs() <= 0.51 * qkv.k_scale.amax() + 1e-45).all(), impl.__name__
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout,lengths", [("bhsd", None), ("bshd", None), ("bhsd", (45, 20))])
 def test_quantize_matches_reference(inputs, dtype, layout, lengths):
@@ -1078,7 +1118,7 @@ def test_gpu_cuda_quantizer_matches_reference(layout, dtype, permute_v):
     """The CUDA quantizer gives the reference's bytes (Q codes and V's FP8 exactly, K codes
     within one step: the mean is summed in another order), the Triton quantizer's Q/V bytes,
     and the same bytes on a second run. GQA, an odd key count, key lengths with an empty
-    sample."""
+    sample, tiny Q rows and a tiny V block."""
     from omni_kernels.attention.quantized.quantize_cuda import (
         cuda_quantize_unsupported_reason,
         quantize_qkv_cuda,
@@ -1087,6 +1127,10 @@ def test_gpu_cuda_quantizer_matches_reference(layout, dtype, permute_v):
     gen = torch.Generator(device="cuda").manual_seed(15)
     q, _, _ = dit_like_qkv(gen, (3, 4, 1001, 128), dtype, "cuda")
     _, k, v = dit_like_qkv(gen, (3, 2, 3001, 128), dtype, "cuda")
+    # groups below 2^-100 (top / amax would overflow float32; bfloat16 holds them, float16
+    # flushes them to zero groups): Q rows and a V key block
+    q[:, :, 5:9] *= 1e-38
+    v[:, :, 128:256] *= 1e-38
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     reason = cuda_quantize_unsupported_reason(q, k, v)

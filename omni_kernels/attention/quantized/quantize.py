@@ -43,6 +43,8 @@ from omni_kernels._triton import cdiv, triton_interpreter_enabled
 from omni_kernels.attention.quantized.reference import (
     FP8_DTYPE,
     K_MEAN_SAMPLES,
+    TINY_AMAX,
+    TINY_BOOST,
     V_KEY_GROUP,
     QuantizedQKV,
 )
@@ -60,6 +62,11 @@ K_MEAN_WARPS = 8
 # 375.4, 4 and 128 70.1 / 398.9; at Qwen-Image's 6889 tokens 66.0 against 71.6 us for 8 and 128.
 Q_BLOCK = 64
 CODES_WARPS = 4
+
+
+# the reference's tiny-group threshold and boost (reference.scale_to_top), as kernel constants
+_TINY_AMAX = tl.constexpr(TINY_AMAX)
+_TINY_BOOST = tl.constexpr(TINY_BOOST)
 
 
 @triton.jit
@@ -87,6 +94,15 @@ def _inverse_scale(amax, top: tl.constexpr):
     """
     safe = tl.where(amax > 0, amax, 1.0)
     return tl.where(amax > 0, tl.math.div_rn(safe * 0.0 + top, safe), 0.0)
+
+
+@triton.jit
+def _scale_to_top(x, amax, top: tl.constexpr):
+    """``x * (top / amax)`` (``amax`` broadcast against ``x``), as the reference's
+    :func:`~.reference.scale_to_top`: a group with ``amax < 2^-100`` is first multiplied by
+    ``2^100`` (exact), where ``top / amax`` itself would overflow."""
+    boost = tl.where(amax < _TINY_AMAX, _TINY_BOOST, 1.0)
+    return (x * boost) * _inverse_scale(amax * boost, top)
 
 
 @triton.jit
@@ -157,8 +173,7 @@ def _quant_q_block(
         mask=ok[:, None], other=0.0,
     ).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    inv = _inverse_scale(amax, 127.0)
-    q8 = _round_half_away(x * inv[:, None])
+    q8 = _round_half_away(_scale_to_top(x, amax[:, None], 127.0))
     row64 = bh.to(tl.int64) * seq_q + rows
     tl.store(Q8 + row64[:, None] * HEAD_DIM + offs_d[None, :], q8, mask=ok[:, None])
     tl.store(QS + row64, tl.math.div_rn(amax, amax * 0.0 + 127.0), mask=ok)
@@ -194,8 +209,7 @@ def _quant_k_block(
     kmean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
     kc = tl.where(ok, k - kmean[None, :], 0.0)  # padding rows stay 0
     amax = tl.max(tl.max(tl.abs(kc), 1), 0)
-    inv = _inverse_scale(amax, 127.0)
-    k8 = _round_half_away(kc * inv)
+    k8 = _round_half_away(_scale_to_top(kc, amax, 127.0))
     tl.store(K8 + (bh64 * seq_k_pad + rows64) * HEAD_DIM + offs_d[None, :], k8)
     tl.store(KS + bh64 * num_blocks + blk, tl.math.div_rn(amax, amax * 0.0 + 127.0))
 
@@ -228,7 +242,7 @@ def _quant_v_block(
     v = tl.load(V + b * stride_vb + h * stride_vh + src.to(tl.int64)[:, None] * stride_vn
                 + offs_d[None, :], mask=v_ok, other=0.0).to(tl.float32)
     v_amax = tl.max(tl.max(tl.abs(v), 1), 0)
-    v8 = fp8_convert(tl.minimum(tl.maximum(v * _inverse_scale(v_amax, 448.0), -448.0), 448.0), EMULATE_FP8)
+    v8 = fp8_convert(tl.minimum(tl.maximum(_scale_to_top(v, v_amax, 448.0), -448.0), 448.0), EMULATE_FP8)
     vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
     tl.store(vt_ptrs, tl.trans(v8))
     tl.store(VS + bh64 * num_blocks + blk, tl.math.div_rn(v_amax, v_amax * 0.0 + 448.0))

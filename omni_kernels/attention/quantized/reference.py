@@ -114,6 +114,22 @@ def inverse_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(amax > 0, torch.full_like(safe, top) / safe, 0.0)
 
 
+# Below this group maximum, top / amax can overflow float32 (448 / amax does below ~1.3e-36;
+# bfloat16 and float32 inputs reach there): such a group is scaled by TINY_BOOST first.
+TINY_AMAX = 2.0**-100
+TINY_BOOST = 2.0**100
+
+
+def scale_to_top(x: torch.Tensor, amax: torch.Tensor, top: float) -> torch.Tensor:
+    """``x * (top / amax)`` (float32; ``amax`` broadcast against ``x``), the quotient correctly
+    rounded, 0 where ``amax`` is 0. A group with ``amax < 2^-100`` is first multiplied by
+    ``2^100``, ``x`` and ``amax`` alike: exact for powers of two, so its codes are those of the
+    same values at a normal magnitude, where ``top / amax`` itself would be inf (and ``0 * inf``
+    NaN). Every other group takes the one product, as before."""
+    boost = torch.where(amax < TINY_AMAX, TINY_BOOST, 1.0)
+    return (x * boost) * inverse_scale(amax * boost, top)
+
+
 @dataclasses.dataclass
 class QuantizedQKV:
     """Quantized attention inputs, all contiguous, head-major.
@@ -216,7 +232,7 @@ def quantize_qkv_reference(
     pad = nblk * block_n - skv
 
     q_amax = qb.abs().amax(dim=-1)
-    q_int8 = round_half_away(qb * inverse_scale(q_amax, INT8_MAX)[..., None]).to(torch.int8)
+    q_int8 = round_half_away(scale_to_top(qb, q_amax[..., None], INT8_MAX)).to(torch.int8)
     q_scale = _divide(q_amax, INT8_MAX)
 
     # K's mean over its strided sample, per sample of the batch (lengths differ)
@@ -228,13 +244,13 @@ def quantize_qkv_reference(
     kc = torch.nn.functional.pad(torch.where(valid, kb - k_mean[:, :, None], 0.0), (0, 0, 0, pad))
     blocks = kc.reshape(batch, hkv, nblk, block_n, d)
     k_amax = blocks.abs().amax(dim=(-1, -2))
-    k_int8 = round_half_away(blocks * inverse_scale(k_amax, INT8_MAX)[..., None, None])
+    k_int8 = round_half_away(scale_to_top(blocks, k_amax[..., None, None], INT8_MAX))
     k_int8 = k_int8.to(torch.int8).reshape(batch, hkv, nblk * block_n, d)
     k_scale = _divide(k_amax, INT8_MAX)
 
     v_blocks = torch.nn.functional.pad(vb, (0, 0, 0, pad)).reshape(batch, hkv, nblk, block_n, d)
     v_amax = v_blocks.abs().amax(dim=(-1, -2))
-    v_scaled = v_blocks * inverse_scale(v_amax, FP8_MAX)[..., None, None]
+    v_scaled = scale_to_top(v_blocks, v_amax[..., None, None], FP8_MAX)
     v_fp8 = v_scaled.clamp(-FP8_MAX, FP8_MAX).reshape(batch, hkv, nblk * block_n, d)
     v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2)
     if permute_v:
@@ -391,5 +407,6 @@ __all__ = [
     "quantized_attention_reference",
     "round_half_away",
     "sage_attention_reference",
+    "scale_to_top",
     "v_key_permutation",
 ]
