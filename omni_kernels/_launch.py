@@ -12,11 +12,11 @@ behind the previous kernel's last wave.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+from omni_kernels._device import cuda_capability, cuda_index
 from omni_kernels._triton import triton_interpreter_enabled
 
 try:  # Triton's grid dependency control (3.3 and later), for the Triton kernels of the chain
@@ -51,11 +51,6 @@ def _pdl_from_environment() -> bool:
 _PDL_ALLOWED = _pdl_from_environment()
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def programmatic_launch_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0
     (``griddepcontrol`` is sm_90 PTX), compiled Triton (not the interpreter) with grid dependency
@@ -65,8 +60,7 @@ def programmatic_launch_enabled(device: torch.device) -> bool:
     set from this, so they compile (and run in the interpreter) without them."""
     if not (_PDL_ALLOWED and _HAS_GDC) or device.type != "cuda" or triton_interpreter_enabled():
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
+    return cuda_capability(cuda_index(device)) >= (9, 0)
 
 
 __all__ = ["ENV_PDL", "gdc_launch_dependents", "gdc_wait", "programmatic_launch_enabled"]

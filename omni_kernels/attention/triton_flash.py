@@ -39,7 +39,6 @@ Configs: a fixed default per head dim (:func:`default_config`). Setting
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
@@ -47,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_kernels._device import cuda_capability, cuda_index
 from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.reference import ATTENTION_LAYOUTS
 
@@ -374,17 +374,6 @@ _INTERPRETER_CONFIG = AttentionConfig(16, 16, 4, 1)
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
-
-
-def cuda_index(device: torch.device) -> int:
-    """The CUDA device index of ``device`` (the current device when it names none)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_capability(index: int) -> tuple[int, int]:
-    """CUDA device ``index``'s compute capability, cached (asked on every eager call)."""
-    return tuple(torch.cuda.get_device_capability(index))
 
 
 def _is_hopper(device: torch.device) -> bool:

@@ -36,7 +36,7 @@ def test_needs_hopper_and_compiled_triton(monkeypatch):
     monkeypatch.setattr(_launch, "_HAS_GDC", True)
     monkeypatch.setattr(_launch, "triton_interpreter_enabled", lambda: False)
     capability = {"value": (9, 0)}
-    monkeypatch.setattr(_launch, "_capability", lambda index: capability["value"])
+    monkeypatch.setattr(_launch, "cuda_capability", lambda index: capability["value"])
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(_launch, "_PDL_ALLOWED", True)
     assert _launch.programmatic_launch_enabled(cuda) is True

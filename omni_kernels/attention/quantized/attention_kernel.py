@@ -53,12 +53,13 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_kernels._device import cuda_capability, cuda_index
 from omni_kernels._launch import gdc_wait, programmatic_launch_enabled
 from omni_kernels._triton import cdiv, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.attention.quantized.quantize import fp8_convert, quantize_qkv
 from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
 from omni_kernels.attention.quantized.reference import LOG2_FP8_MAX, LOG2E, QuantizedQKV
-from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides, cuda_capability, cuda_index
+from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
 try:  # host-built TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor

@@ -185,6 +185,20 @@ def _quant_q_block(
 
 
 @triton.jit
+def _key_block(KEY_LENGTHS, blk, bh, num_kv_heads, seq_k, BLOCK_N: tl.constexpr,
+               HAS_KEY_LENGTHS: tl.constexpr):
+    """Where key block ``blk`` of kv head ``bh`` lies: ``(bh, b, h)`` as int64, its key
+    ``rows`` and the sample's key count (keys from it on are padding: written as 0 and kept
+    out of the block scale)."""
+    b = (bh // num_kv_heads).to(tl.int64)
+    kv_len = seq_k
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
+    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    return bh.to(tl.int64), b, (bh % num_kv_heads).to(tl.int64), rows, kv_len
+
+
+@triton.jit
 def _quant_k_block(
     K, KMEAN, K8, KS, KEY_LENGTHS, blk, bh,
     stride_kb, stride_kh, stride_kn, num_kv_heads, seq_k, seq_k_pad, num_blocks,
@@ -192,14 +206,9 @@ def _quant_k_block(
     USE_PDL: tl.constexpr,
 ):
     """Key block ``blk`` of kv head ``bh``: K minus its (sampled) mean to INT8, one scale."""
-    bh64 = bh.to(tl.int64)
-    b = (bh // num_kv_heads).to(tl.int64)
-    h = (bh % num_kv_heads).to(tl.int64)
-    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh64, b, h, rows, kv_len = _key_block(KEY_LENGTHS, blk, bh, num_kv_heads, seq_k, BLOCK_N,
+                                          HAS_KEY_LENGTHS)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_len = seq_k
-    if HAS_KEY_LENGTHS:  # padding keys are written as 0 and stay out of the block scale
-        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     ok = (rows < kv_len)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
     k = tl.load(K + b * stride_kb + h * stride_kh + rows64 * stride_kn + offs_d[None, :],
@@ -223,14 +232,9 @@ def _quant_v_block(
 ):
     """Key block ``blk`` of kv head ``bh``: V^T to FP8 with one scale (``PERMUTE_V``: key
     columns in ``reference.v_key_permutation``'s order). Needs nothing of the K mean."""
-    bh64 = bh.to(tl.int64)
-    b = (bh // num_kv_heads).to(tl.int64)
-    h = (bh % num_kv_heads).to(tl.int64)
-    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh64, b, h, rows, kv_len = _key_block(KEY_LENGTHS, blk, bh, num_kv_heads, seq_k, BLOCK_N,
+                                          HAS_KEY_LENGTHS)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_len = seq_k
-    if HAS_KEY_LENGTHS:  # padding keys are written as 0 and stay out of the block scale
-        kv_len = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), 0), seq_k)
     # The permutation is applied to the rows loaded, so the stores run along contiguous key
     # columns (the block's maximum does not depend on the order).
     src = rows
