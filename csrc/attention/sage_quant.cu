@@ -35,6 +35,8 @@ constexpr int kQRows = 64;       // query rows a Q block
 constexpr int kKeys = 128;       // keys a K/V block (= the attention kernel's tile)
 constexpr int kStagedRowBytes = kD + 4;  // V tile rows in shared memory, padded: no bank conflicts
 constexpr int kMeanSamples = 512;        // reference.K_MEAN_SAMPLES
+// reference.V_AMAX_FLOOR: a nonzero V block maximum is at least this (every V scale >= 2^-30)
+constexpr float kVAmaxFloor = 448.0f * 0x1p-30f;
 constexpr int kMeanBatch = 16;           // sample rows a warp loads before adding: loads in flight
 
 __device__ __forceinline__ void load4(const __half* p, float (&v)[4]) {
@@ -242,6 +244,7 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
   vmax = reduce_shared[kWarps];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) vmax = fmaxf(vmax, reduce_shared[kWarps + w]);
+  if (vmax > 0.0f) vmax = fmaxf(vmax, kVAmaxFloor);
   const TopScale v_to_top = top_scale(vmax, 448.0f);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {

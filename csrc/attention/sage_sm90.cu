@@ -9,8 +9,12 @@
 // the accumulator's P V columns are kept in units of u, the latest nonzero block scale, so the
 // fold stays one FMA an element: o = o * (alpha * u / v_scale_j) + pv, then u = v_scale_j (a
 // zero-scale block, whose pv is 0, keeps u); the row sums take alpha alone; the epilogue writes
-// o * u / l. The math is omni_kernels/attention/quantized/reference.py's, step for step (but
-// for where the unit trick applies V's scales), with row_sums="fp8".
+// o * u / l. The quantizer keeps every nonzero V scale >= 2^-30 (reference.V_AMAX_FLOOR), which
+// bounds u_old / u_new, so o stays finite for |V| < ~1e20 without a check in the loop (a
+// checked fold, or a per-CTA range test choosing it, measured 3-16% slower at Flux's size:
+// bench/results/attention-sm90-v-units-overflow_nvidia-h200_20261202.md). The math is
+// omni_kernels/attention/quantized/reference.py's, step for step (but for where the unit trick
+// applies V's scales), with row_sums="fp8".
 //
 // A CTA handles 128 query rows of one (batch, head): three warpgroups, warp-specialized.
 //   * warpgroup 0, the producer: one thread issues TMA loads (Q once; K and V^T tiles of 128 keys

@@ -37,6 +37,8 @@ from omni_kernels.attention.quantized.attention_kernel import (
 )
 from omni_kernels.attention.quantized.quantize import quantize_qkv
 from omni_kernels.attention.quantized.reference import (
+    FP8_DTYPE,
+    V_AMAX_FLOOR,
     dequantize_qkv,
     dit_like_qkv,
     k_mean_stride,
@@ -180,10 +182,11 @@ def test_v_blocks_of_mixed_magnitude(inputs, rel_err):
 
 
 def test_tiny_groups_quantize_as_at_normal_magnitude(inputs, rel_err):
-    """A group (Q row, K or V block) whose max |x| is below 2^-100, where ``top / amax``
+    """A group (Q row or K block) whose max |x| is below 2^-100, where ``top / amax``
     overflows float32 (448 / amax under ~1.3e-36; bfloat16 and float32 inputs get there) and
     ``0 * inf`` is NaN: its codes are those of the same values times 2^100, an exact scaling,
-    in the Triton kernel and the reference alike; no NaN reaches the attention."""
+    in the Triton kernel and the reference alike; no NaN reaches the attention. (A tiny V
+    block takes the V floor instead: test_v_block_maximum_floor.)"""
     b, h, sq, skv, d, bn = 1, 2, 20, 48, 64, 16
     boost = 2.0**100
     q = inputs.activations((b, h, sq, d), torch.float32)
@@ -194,10 +197,9 @@ def test_tiny_groups_quantize_as_at_normal_magnitude(inputs, rel_err):
     q[:, :, 0, :3] = 0.0
     v[:, :, bn:2 * bn] *= 1e-38  # a tiny key block, with zeros in it
     v[:, :, bn, :5] = 0.0
-    q_big, v_big = q.clone(), v.clone()
+    q_big = q.clone()
     q_big[:, :, :5] *= boost
-    v_big[:, :, bn:2 * bn] *= boost
-    big = quantize_qkv_reference(q_big, k, v_big, block_n=bn)
+    big = quantize_qkv_reference(q_big, k, v, block_n=bn)
     for impl in (quantize_qkv_reference, quantize_qkv):
         qkv = impl(q, k, v, block_n=bn)
         assert torch.equal(qkv.q_int8, big.q_int8), impl.__name__
@@ -217,6 +219,32 @@ def test_tiny_groups_quantize_as_at_normal_magnitude(inputs, rel_err):
         assert (qkv.k_scale > 0).all() and qkv.k_int8.abs().max().item() > 100, impl.__name__
         kd = dequantize_qkv(qkv)[1][:, :, :skv] + qkv.k_mean[:, :, None]
         assert ((kd - k_tiny).abs() <= 0.51 * qkv.k_scale.amax() + 1e-45).all(), impl.__name__
+
+
+def test_v_block_maximum_floor(inputs):
+    """A nonzero V block maximum below V_AMAX_FLOOR (448 * 2^-30) is raised to it: the block's
+    scale is exactly 2^-30 and its codes are fp8(v * 2^30) (an exact product); blocks above the
+    floor keep scale max|v| / 448, an all-zero block keeps scale 0, in the Triton kernel and the
+    reference alike (the Hopper kernel's accumulator relies on the bound)."""
+    b, h, skv, d, bn = 1, 2, 64, 32, 16
+    q = inputs.activations((b, h, 8, d), torch.float32)
+    k = inputs.activations((b, h, skv, d), torch.float32)
+    v = inputs.activations((b, h, skv, d), torch.float32)
+    v[:, :, bn:2 * bn] *= 1e-7 / v[:, :, bn:2 * bn].abs().amax()  # max |v| 1e-7 < 4.2e-7
+    v[:, :, 2 * bn:3 * bn] = 0.0
+    v[:, :, 3 * bn:] *= 1e-38  # tiny (subnormal values among them)
+    expected_scale = v.reshape(b, h, skv // bn, bn * d).abs().amax(-1) / 448.0
+    expected_scale[:, :, 1] = 2.0**-30
+    expected_scale[:, :, 3] = 2.0**-30
+    floored = torch.cat([v[:, :, bn:2 * bn], v[:, :, 3 * bn:]], 2) * 2.0**30
+    for impl in (quantize_qkv_reference, quantize_qkv):
+        qkv = impl(q, k, v, block_n=bn)
+        assert torch.equal(qkv.v_scale, expected_scale), impl.__name__
+        codes = qkv.v_fp8.transpose(-1, -2).float()  # [B, H, Skv, D]
+        got = torch.cat([codes[:, :, bn:2 * bn], codes[:, :, 3 * bn:]], 2)
+        assert torch.equal(got, floored.to(FP8_DTYPE).float()), impl.__name__
+        assert got.abs().amax() > 1.0 and (codes[:, :, 2 * bn:3 * bn] == 0).all(), impl.__name__
+    assert V_AMAX_FLOOR == 448.0 * 2.0**-30
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -962,22 +990,37 @@ def test_gpu_cuda_sm90_split_last_wave(kv_splits):
            lengths, qkv.seq_kv, 128 ** -0.5, whole, None, 9)
 
 
+# V key-block magnitudes (one scale each). "mixed": the unit changes of everyday data.
+# "extreme" (bfloat16 reaches there; 3394df3's kernel gave NaN): blocks that would have
+# subnormal scales or scales 1e15-1e30 below the largest, before and after a 1e3 block (sample
+# 0 only); the quantizer's V floor (reference.V_AMAX_FLOOR) raises them to 2^-30.
+V_BLOCK_MAGNITUDES = {
+    "mixed": (1e-4, 1.0, 0.0, 1e3, 1.0, 0.0, 3.0, 1e-4, 1.0, 1e2, 1.0),
+    "extreme": (1e-37, 1.0, 1e-15, 1e-30, 0.0, 1e-37, 1e3, 1e-20, 1.0, 1e2, 1.0),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_splits", [1, 3])
-def test_gpu_cuda_sm90_v_block_scales_of_mixed_magnitude(kv_splits):
-    """V key blocks of magnitude 1e-4, 1, 0 and 1e3 (one scale each): the kernel keeps its
-    accumulator in the latest block's units and rescales at each change, whole and split
-    (each part stores its output in V's own units for the merge), against the blockwise
-    reference on the same quantized tensors."""
+@pytest.mark.parametrize("magnitudes", list(V_BLOCK_MAGNITUDES))
+def test_gpu_cuda_sm90_v_block_scales_of_mixed_magnitude(magnitudes, kv_splits):
+    """V key blocks of very different magnitudes (V_BLOCK_MAGNITUDES): the kernel keeps its
+    accumulator in the latest block's units and rescales at each change (finite: the V floor
+    bounds the change), whole and split (each part stores its output in V's own units for the
+    merge), against the blockwise reference on the same quantized tensors; the Triton kernel
+    too."""
     _skip_without_cuda_sm90()
     gen = torch.Generator(device="cuda").manual_seed(15)
     q, _, _ = dit_like_qkv(gen, (2, 2, 300, 128), torch.bfloat16, "cuda")
     _, k, v = dit_like_qkv(gen, (2, 2, 1300, 128), torch.bfloat16, "cuda")
-    for block, magnitude in enumerate((1e-4, 1.0, 0.0, 1e3, 1.0, 0.0, 3.0, 1e-4, 1.0, 1e2, 1.0)):
+    for block, magnitude in enumerate(V_BLOCK_MAGNITUDES[magnitudes]):
         v[:, :, block * 128:(block + 1) * 128] *= magnitude
     lengths = torch.tensor([1300, 700], device="cuda", dtype=torch.int32)
     qkv = quantize_qkv(q, k, v, block_n=128, key_lengths=lengths, permute_v=True)
-    assert (qkv.v_scale[:, :, 2] == 0).all() and (qkv.v_scale[0, :, 3] > 0).all()
+    zero_block = V_BLOCK_MAGNITUDES[magnitudes].index(0.0)
+    assert (qkv.v_scale[:, :, zero_block] == 0).all() and (qkv.v_scale[0, :, 3] > 0).all()
+    if magnitudes == "extreme":  # the V floor (reference.V_AMAX_FLOOR) is what keeps o finite
+        assert (qkv.v_scale[:, :, 0] == 2.0**-30).all() and (qkv.v_scale[:, :, 3] == 2.0**-30).all()
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     torch.ops.omni_kernels.sage_attention_sm90(
@@ -993,6 +1036,15 @@ def test_gpu_cuda_sm90_v_block_scales_of_mixed_magnitude(kv_splits):
         rel = ((out[b].float() - ref[b]).norm() / ref[b].norm()).item()
         assert rel <= tol, f"sample {b}, kv_splits={kv_splits}: rel {rel:.3e}"
     assert (lse - ref_lse).abs().max().item() <= 1.5e-2
+    if kv_splits == 1:  # the Triton kernel (V's scale applied per block) on the same data
+        qkv = quantize_qkv(q, k, v, block_n=128, key_lengths=lengths)
+        triton_out = torch.full_like(q, float("nan"))
+        sage_attention_quantized(qkv, triton_out, layout="bhsd", scale=128 ** -0.5,
+                                 key_lengths=lengths)
+        ref = quantized_attention_reference(qkv, scale=128 ** -0.5, key_lengths=lengths)
+        for b in (0, 1):
+            rel = ((triton_out[b].float() - ref[b]).norm() / ref[b].norm()).item()
+            assert rel <= 5e-3, f"Triton kernel, sample {b}: rel {rel:.3e}"
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ from omni_kernels.attention.quantized.reference import (
     K_MEAN_SAMPLES,
     TINY_AMAX,
     TINY_BOOST,
+    V_AMAX_FLOOR,
     V_KEY_GROUP,
     QuantizedQKV,
 )
@@ -67,6 +68,7 @@ CODES_WARPS = 4
 # the reference's tiny-group threshold and boost (reference.scale_to_top), as kernel constants
 _TINY_AMAX = tl.constexpr(TINY_AMAX)
 _TINY_BOOST = tl.constexpr(TINY_BOOST)
+_V_AMAX_FLOOR = tl.constexpr(V_AMAX_FLOOR)
 
 
 @triton.jit
@@ -246,6 +248,7 @@ def _quant_v_block(
     v = tl.load(V + b * stride_vb + h * stride_vh + src.to(tl.int64)[:, None] * stride_vn
                 + offs_d[None, :], mask=v_ok, other=0.0).to(tl.float32)
     v_amax = tl.max(tl.max(tl.abs(v), 1), 0)
+    v_amax = tl.where(v_amax > 0, tl.maximum(v_amax, _V_AMAX_FLOOR), v_amax)  # floor_v_amax
     v8 = fp8_convert(tl.minimum(tl.maximum(_scale_to_top(v, v_amax, 448.0), -448.0), 448.0), EMULATE_FP8)
     vt_ptrs = VT8 + (bh64 * HEAD_DIM + offs_d.to(tl.int64)[:, None]) * seq_k_pad + rows[None, :]
     tl.store(vt_ptrs, tl.trans(v8))

@@ -24,7 +24,8 @@ Quantization (:func:`quantize_qkv_reference`), per ``(batch, head)``:
   (padding up to a multiple of ``block_n``) are 0.
 * **V**, per key block of ``block_n`` tokens over all channels:
   ``v_scale[j] = max |v| / 448`` over block ``j``'s valid tokens (448 = largest
-  float8 e4m3 value); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max |v|))`` (round to
+  float8 e4m3 value; a nonzero ``max |v|`` is raised to at least ``V_AMAX_FLOOR``,
+  ``448 * 2^-30``); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max |v|))`` (round to
   nearest even), stored **transposed** ``[B, H, D, Skv_pad]`` because the FP8
   tensor-core instruction needs P V's B operand contiguous along the key
   (reduction) dimension. A scale per block, not per channel over all tokens:
@@ -118,6 +119,19 @@ def inverse_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
 # bfloat16 and float32 inputs reach there): such a group is scaled by TINY_BOOST first.
 TINY_AMAX = 2.0**-100
 TINY_BOOST = 2.0**100
+
+# A nonzero V block maximum is raised to at least this, so every nonzero V block scale is
+# >= 2^-30 (exactly 2^-30 for a raised block: its codes are v * 2^30). The Hopper kernel keeps
+# P V in units of the latest block scale and rescales at each change; with scales bounded
+# below, that accumulator stays finite for any |V| < ~1e20 (and no scale is subnormal).
+# What it costs: V blocks of |v| < 448 * 2^-30 ~ 4.2e-7 are quantized with a fixed step of at
+# most 2^-39 (FP8's subnormal spacing times 2^-30) instead of relative to their own maximum.
+V_AMAX_FLOOR = FP8_MAX * 2.0**-30
+
+
+def floor_v_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, V_AMAX_FLOOR)`` where ``amax > 0``; 0 stays 0 (an all-zero block)."""
+    return torch.where(amax > 0, torch.clamp(amax, min=V_AMAX_FLOOR), amax)
 
 
 def scale_to_top(x: torch.Tensor, amax: torch.Tensor, top: float) -> torch.Tensor:
@@ -249,7 +263,7 @@ def quantize_qkv_reference(
     k_scale = _divide(k_amax, INT8_MAX)
 
     v_blocks = torch.nn.functional.pad(vb, (0, 0, 0, pad)).reshape(batch, hkv, nblk, block_n, d)
-    v_amax = v_blocks.abs().amax(dim=(-1, -2))
+    v_amax = floor_v_amax(v_blocks.abs().amax(dim=(-1, -2)))
     v_scaled = scale_to_top(v_blocks, v_amax[..., None, None], FP8_MAX)
     v_fp8 = v_scaled.clamp(-FP8_MAX, FP8_MAX).reshape(batch, hkv, nblk * block_n, d)
     v_fp8 = v_fp8.to(FP8_DTYPE).transpose(-1, -2)
