@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+_capabilities: dict[int, tuple[int, int]] = {}
 
 
 def cuda_index(device: torch.device) -> int:
@@ -12,10 +12,18 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@functools.lru_cache(maxsize=None)
 def cuda_capability(index: int) -> tuple[int, int]:
     """CUDA device ``index``'s compute capability, cached (asked on every eager call)."""
-    return tuple(torch.cuda.get_device_capability(index))
+    capability = _capabilities.get(index)
+    if capability is None:
+        capability = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return capability
 
 
-__all__ = ["cuda_capability", "cuda_index"]
+def known_cuda_capability(index: int) -> tuple[int, int] | None:
+    """What :func:`cuda_capability` cached for device ``index``, without asking the GPU (safe
+    while ``torch.compile`` traces); ``None`` if no eager call has asked yet."""
+    return _capabilities.get(index)
+
+
+__all__ = ["cuda_capability", "cuda_index", "known_cuda_capability"]

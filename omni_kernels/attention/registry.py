@@ -60,6 +60,8 @@ from typing import Any
 
 import torch
 
+from omni_kernels._device import cuda_capability, cuda_index
+
 logger = logging.getLogger("omni_kernels.attention")
 
 AUTO = "auto"
@@ -97,15 +99,8 @@ def _arch_of(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     """(``"sm90"``-style key, capability) for CUDA; (device type, None) otherwise."""
     if device.type != "cuda":
         return device.type, None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cached = _CAPABILITY_CACHE.get(index)
-    if cached is None:
-        cached = tuple(torch.cuda.get_device_capability(index))
-        _CAPABILITY_CACHE[index] = cached
-    return f"sm{cached[0]}{cached[1]}", cached
-
-
-_CAPABILITY_CACHE: dict[int, tuple[int, int]] = {}
+    capability = cuda_capability(cuda_index(device))
+    return f"sm{capability[0]}{capability[1]}", capability
 
 
 # --------------------------------------------------------------------------- problem

@@ -19,6 +19,7 @@ import math
 import torch
 
 from omni_kernels._backend_choice import choose_backend
+from omni_kernels._device import cuda_capability, cuda_index, known_cuda_capability
 from omni_kernels._extension import compiled_extension_error, has_compiled_extension
 from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.quant.reference import (
@@ -75,21 +76,17 @@ FP8_MIN_CAPABILITY = (8, 9)
 _DTYPE_NAMES = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE, FP8_DTYPE: FP8_DTYPE, INT8_DTYPE: INT8_DTYPE}
 
 _logged_auto_choices: set[tuple] = set()
-_capabilities: dict[int, tuple[int, int]] = {}
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of a CUDA device, cached (queried once per device, in eager code)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = torch.cuda.get_device_capability(index)
-    return _capabilities[index]
+    return cuda_capability(cuda_index(device))
 
 
 def cached_device_capability(device: torch.device) -> tuple[int, int] | None:
     """The capability :func:`device_capability` cached for ``device``, without querying the GPU
     (safe while ``torch.compile`` traces); ``None`` if no eager call has asked yet."""
-    return _capabilities.get(device.index if device.index is not None else 0)
+    return known_cuda_capability(device.index if device.index is not None else 0)
 
 
 def fp8_unsupported_reason(device: torch.device) -> str | None:

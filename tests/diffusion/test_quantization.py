@@ -28,6 +28,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 
+import omni_kernels._device as omni_device  # noqa: E402
 import omni_kernels.quant.dispatch as quant_dispatch  # noqa: E402
 from omni_diffusion import quantization as Q  # noqa: E402
 from omni_diffusion.testing import tiny_flux_transformer  # noqa: E402
@@ -278,11 +279,11 @@ def test_quantize_a_bare_linear_returns_the_replacement():
 
 def test_fp8_on_gpu_without_fp8_tensor_cores_raises(monkeypatch):
     """The capability check: an A100 (8.0) is refused with the reason and the alternative."""
-    monkeypatch.setattr(quant_dispatch, "_capabilities", {0: (8, 0)})
+    monkeypatch.setattr(omni_device, "_capabilities", {0: (8, 0)})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     reason = quant_dispatch.fp8_unsupported_reason(torch.device("cuda:0"))
     assert "compute capability >= 8.9" in reason and "A100" in reason and "'int8'" in reason
-    monkeypatch.setattr(quant_dispatch, "_capabilities", {0: (9, 0)})
+    monkeypatch.setattr(omni_device, "_capabilities", {0: (9, 0)})
     assert quant_dispatch.fp8_unsupported_reason(torch.device("cuda:0")) is None
     assert quant_dispatch.fp8_unsupported_reason(torch.device("cpu")) is None
 

@@ -709,7 +709,7 @@ def test_auto_never_picks_lossy_unasked():
 def test_backend_rejects_gpu_without_fp8(monkeypatch):
     from omni_kernels.attention import registry
 
-    monkeypatch.setitem(registry._CAPABILITY_CACHE, torch.cuda.current_device(), (8, 0))
+    monkeypatch.setattr(registry, "cuda_capability", lambda index: (8, 0))
     q = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.float16)
     name, reason = select_backend(q, q, q, backend="omni_sage")
     assert name is None and "compute capability >= 8.9" in reason
