@@ -124,8 +124,9 @@ TINY_BOOST = 2.0**100
 # >= 2^-30 (exactly 2^-30 for a raised block: its codes are v * 2^30). The Hopper kernel keeps
 # P V in units of the latest block scale and rescales at each change; with scales bounded
 # below, that accumulator stays finite for any |V| < ~1e20 (and no scale is subnormal).
-# What it costs: V blocks of |v| < 448 * 2^-30 ~ 4.2e-7 are quantized with a fixed step of at
-# most 2^-39 (FP8's subnormal spacing times 2^-30) instead of relative to their own maximum.
+# What it costs: a V block of max |v| < 448 * 2^-30 ~ 4.2e-7 is scaled by 2^30 instead of by
+# 448 / max |v|; its values keep FP8's relative precision down to |v| = 2^-36 (~1.5e-11), and
+# below that round with a fixed step of 2^-39 (FP8's subnormal spacing times 2^-30).
 V_AMAX_FLOOR = FP8_MAX * 2.0**-30
 
 
