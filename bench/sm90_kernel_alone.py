@@ -14,7 +14,10 @@ one after the other in the same call and compared with ``grep RESULT``:
 
 Usage (on an sm_90 GPU with the extension built)::
 
-    python3 bench/sm90_kernel_alone.py TAG [--shapes flux,wan720,hunyuan]
+    python3 bench/sm90_kernel_alone.py TAG [--shapes flux,wan720,hunyuan] [--quantizers]
+
+``--quantizers`` appends each quantizer's time alone (Triton's and the CUDA one's) and the
+whole forward's TFLOP/s-equivalent on each, on the same inputs.
 
 TFLOP/s-equivalent is ``4*B*H*S*S*D / t``. For the figures the README quotes, use
 ``bench/attention.py`` (end to end, every backend in one run).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,11 +47,36 @@ from omni_kernels.attention.quantized.quantize import quantize_qkv  # noqa: E402
 from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
 
 
+def _quantizer_columns(q, k, v, b, h, s, d) -> str:
+    """`` quant triton <us> us <TB/s> cuda <us> us <TB/s> fwd triton-q <TFLOP/s> cuda-q <TFLOP/s>``:
+    each quantizer alone (K's mean and the codes; TB/s counts 2 bytes read and 1 written an
+    element of Q, K and V), and the whole forward on it."""
+    from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
+
+    moved = 3 * (q.numel() + k.numel() + v.numel())
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    t_tri = bench(lambda: quantize_qkv(q, k, v, block_n=128, permute_v=True))
+    t_cuda = bench(lambda: quantize_qkv_cuda(q, k, v, permute_v=True))
+    fwd = {}
+    for name, quantizer in (("triton-q", False), ("cuda-q", True)):
+        cfg = replace(CUDA_SM90_CONFIG, cuda_quantizer=quantizer)
+        fwd[name] = flops(b, h, s, d) / bench(lambda: sage_attention_forward(q, k, v, config=cfg)) / 1e9
+    return (f"  quant triton {t_tri * 1e3:6.1f} us {moved / t_tri / 1e9:4.2f} TB/s"
+            f" cuda {t_cuda * 1e3:6.1f} us {moved / t_cuda / 1e9:4.2f} TB/s"
+            f"  fwd triton-q {fwd['triton-q']:6.1f} cuda-q {fwd['cuda-q']:6.1f} TFLOP/s")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tag", help="a name for this build, printed on every line")
     parser.add_argument("--shapes", default="flux,wan720,hunyuan",
                         help=f"comma-separated, from {sorted(SHAPES)}")
+    parser.add_argument("--quantizers", action="store_true",
+                        help="also time the Triton and the CUDA quantizer alone, and the whole "
+                             "forward with each")
     args = parser.parse_args(argv)
     names = [n for n in args.shapes.split(",") if n]
     unknown = [n for n in names if n not in SHAPES]
@@ -73,12 +102,15 @@ def main(argv=None) -> int:
                                              config=CUDA_SM90_CONFIG),
             warmup=10, rep=60, return_mode="median")
         tflops = flops(b, h, s, d) / ms / 1e9
+        quant = ""
+        if args.quantizers:
+            quant = _quantizer_columns(q, k, v, b, h, s, d)
         qkv = out = q = k = v = None  # free the timing inputs before the accuracy inputs
         q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, "cuda")
         cos, rel = errors(sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG), q, k, v)
         q = k = v = None
         print(f"RESULT {args.tag:8s} {name:8s} kernel {ms:8.3f} ms {tflops:6.1f} TFLOP/s  "
-              f"dit cos {cos:.5f} rel {rel:.3e}", flush=True)
+              f"dit cos {cos:.5f} rel {rel:.3e}{quant}", flush=True)
     return 0
 
 

@@ -4,10 +4,12 @@ The same math and quantization as ``omni_sage`` (:mod:`omni_kernels.attention.qu
 K smoothed by its mean, Q INT8 per token, K INT8 per 128-key block, V FP8 e4m3 per
 channel, P in FP8 with two-level accumulation), with the attention itself in
 ``csrc/attention/sage_sm90.cu``: wgmma for both products, TMA loads, one producer and two
-consumer warpgroups a 128-query tile. The quantization runs in Triton (on the H200 it is about
-twice as fast as omni's CUDA quantizer, ``omni_kernels::sage_quantize_qkv``, which
-``SageConfig(cuda_quantizer=True)`` selects); either stores V^T's keys in the order that
-kernel's P fragments need (``permute_v=True``).
+consumer warpgroups a 128-query tile. The quantization runs in Triton: on the H200 its codes
+launch is faster than omni's CUDA quantizer's (``omni_kernels::sage_quantize_qkv``, which
+``SageConfig(cuda_quantizer=True)`` selects): 48 vs 60 us at Flux 1024^2, 1.06 vs 1.43 ms at
+Wan 720p, while the CUDA K mean is the faster one (6.5 vs 14 us at Flux;
+bench/results/attention-sm90-cuda-quantizer-loads_nvidia-h200_20261202.md). Either stores V^T's
+keys in the order that kernel's P fragments need (``permute_v=True``).
 
 Hopper only (compute capability 9.0; the kernel is sm_90a code), head_dim 128,
 float16/bfloat16, CUDA tensors, omni's compiled extension. Both layouts, GQA,
