@@ -36,7 +36,7 @@ build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_
 .PHONY: browser venv vllm-venv build test serve test-gpu bench-gpu lint clean distclean
 
 # `make test` (and bare `make`, i.e. CI): its three set-up steps (build, vllm-venv, browser) are
-# independent, so they run side by side: the extension's compile takes ~7 minutes on 2 cores,
+# independent, so they run side by side: the extension's compile takes ~4-8 minutes on 2 cores,
 # vLLM's venv ~3 (mostly downloads), Chromium's apt install ~1.
 ifneq ($(filter test,$(or $(MAKECMDGOALS),$(.DEFAULT_GOAL))),)
 MAKEFLAGS += --jobs=3

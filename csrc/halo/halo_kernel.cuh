@@ -1,7 +1,7 @@
 // Halo pack / assemble kernels for spatially-sharded convolutions (definition:
 // omni_kernels/halo/reference.py). Tensors are 4-D [N, T, rows, W]; a (n, t) pair is a "slab".
 //
-// Two paths, chosen on the host (halo.cu):
+// Two paths, chosen on the host (halo.cpp):
 // * dense: every tensor's rows are back to back in a slab (column stride 1, row stride W) and
 //   the widths, slab strides and pointers are multiples of the vector width. A slab's rows are
 //   then one flat run, copied as 16/8/4/2-byte vectors with no per-element division: a vector
@@ -13,16 +13,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../cuda_compat.h"
+#include "halo_params.h"
 
 namespace omni {
 namespace halo {
-
-enum EdgeMode : int { kRecv = 0, kZero = 1, kReplicate = 2 };
-
-struct Strides4 {
-  int64_t n, t, h, w;
-};
 
 // The unsigned type of kBytes bytes (16, 8, 4 or 2) the dense kernels move.
 template <int kBytes>
@@ -31,24 +25,6 @@ struct VectorOf {
   using type = std::conditional_t<
       kBytes == 16, uint4,
       std::conditional_t<kBytes == 8, uint2, std::conditional_t<kBytes == 4, uint32_t, uint16_t>>>;
-};
-
-// Dense path: 256 threads x 4 vectors (64 KiB per block with 16-byte vectors) keeps enough
-// bytes in flight per SM for a copy to run near the HBM rate.
-constexpr int kDenseThreads = 256;
-constexpr int kVectorsPerThread = 4;
-constexpr int kVectorsPerBlock = kDenseThreads * kVectorsPerThread;
-// Rows path (fallback for strided views).
-constexpr int kRowThreads = 128;
-// gridDim.y limit; larger slab counts loop.
-constexpr int64_t kMaxGridY = 65535;
-
-// Dense assemble. Counts and offsets in vectors: a slab of `out` holds `total` vectors, the
-// first `lo_end` from the rows above, then x's rows up to `mid_end`, then the rows below;
-// `row` vectors per row; x's and out's slab strides `x_sn, x_st, o_sn, o_st`.
-struct DenseAssemble {
-  int64_t x_sn, x_st, o_sn, o_st, slabs;
-  int frames, lo_end, mid_end, total, row, h_rows, lo_mode, hi_mode;
 };
 
 template <typename V>
@@ -94,13 +70,6 @@ __global__ void __launch_bounds__(kDenseThreads)
     }
   }
 }
-
-// Dense pack: a slab of the send buffers is `lo_end` vectors (x's first rows) then
-// `total - lo_end` vectors (x's rows from vector `hi_src` on).
-struct DensePack {
-  int64_t x_sn, x_st, slabs;
-  int frames, lo_end, total, hi_src;
-};
 
 template <typename V>
 __global__ void __launch_bounds__(kDenseThreads)
