@@ -86,7 +86,7 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 def cached_device_capability(device: torch.device) -> tuple[int, int] | None:
     """The capability :func:`device_capability` cached for ``device``, without querying the GPU
     (safe while ``torch.compile`` traces); ``None`` if no eager call has asked yet."""
-    return known_cuda_capability(device.index if device.index is not None else 0)
+    return known_cuda_capability(cuda_index(device))
 
 
 def fp8_unsupported_reason(device: torch.device) -> str | None:

@@ -70,6 +70,7 @@ from torch import nn
 
 from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels._extension import has_compiled_extension
+from omni_kernels._device import cuda_index
 from omni_kernels.quant.dispatch import (
     CUDA_STAGED_MAX_ROW,
     QUANTIZE_BACKENDS,
@@ -187,7 +188,7 @@ _cublaslt_failed_devices: set[int] = set()
 
 
 def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else 0
+    return cuda_index(device)  # the current device for a bare "cuda", as the capability lookup
 
 
 def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:

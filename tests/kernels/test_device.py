@@ -22,3 +22,17 @@ def test_one_capability_cache_for_every_dispatcher(monkeypatch):
     assert dispatch.device_capability(device) == (9, 0) and _device.cuda_capability(3) == (9, 0)
     assert dispatch.cached_device_capability(device) == (9, 0)
     assert asked == [3]
+
+
+def test_a_device_without_index_means_the_current_device(monkeypatch):
+    """A bare ``cuda`` device reads the current device's entry, in eager code and while tracing
+    alike (the traced lookup once read device 0's)."""
+    from omni_kernels import _device
+    from omni_kernels.quant import dispatch
+
+    monkeypatch.setattr(_device, "_capabilities", {0: (8, 0), 2: (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    bare = torch.device("cuda")
+    assert dispatch.device_capability(bare) == (9, 0)
+    assert dispatch.cached_device_capability(bare) == (9, 0)
+    assert dispatch.cached_device_capability(torch.device("cuda", 0)) == (8, 0)
