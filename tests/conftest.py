@@ -8,6 +8,7 @@ skipped on such machines.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import os
@@ -31,7 +32,41 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (CUDA); skipped without one")
 
 
+#: test folders whose files share session-wide state (tests/parallel: its gloo worker pools)
+ONE_WORKER_DIRS = ("tests/parallel/",)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unused without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``pytest -n N --dist loadfile`` (``make test``): each test file runs whole, in order, in
+    one worker, so that its module fixtures (servers, vLLM, bench runs) start once; and each
+    folder of ONE_WORKER_DIRS runs whole in one worker, which then starts its pools once."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileOrFolderScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((folder for folder in ONE_WORKER_DIRS if path.startswith(folder)), path)
+
+    return FileOrFolderScheduling(config, log)
+
+
+def _name_params_in_shared_node_ids(items: list[pytest.Item]) -> None:
+    """pytest 9 builds an item's node id from its function's name and its parametrize ids, so
+    schemathesis' items (one per API operation, named ``test[GET /path]``, no parametrize ids)
+    all share one id; pytest-xdist schedules by node id and so would run only the first. Each
+    such item gets the bracket of its name in its id, as under pytest 8."""
+    counts = collections.Counter(item.nodeid for item in items)
+    for item in items:
+        params = item.name.removeprefix(getattr(item, "originalname", item.name))
+        if counts[item.nodeid] > 1 and params.startswith("[") and params.endswith("]"):
+            item._id = item._id.with_params(params[1:-1])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _name_params_in_shared_node_ids(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason=GPU_SKIP_REASON)
