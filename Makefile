@@ -108,7 +108,7 @@ test: build vllm-venv browser
 	from omni_kernels._extension import compiled_extension_error as e; \
 	assert omni_kernels.has_compiled_extension(), e()"
 	OMNI_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-	TRITON_INTERPRET=$(TRITON_INTERPRET) $(VPY) -m pytest -q --durations=25
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(VPY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 ## serve: build, then run omni-serve on its embedded default model (SERVE_ARGS adds options,
 ## e.g. SERVE_ARGS="--port 8000 --api-key secret").
