@@ -170,7 +170,7 @@ def _cublaslt_device_reason(device: torch.device, auto: bool) -> str | None:
                 "or older than the op: build it, e.g. `make build`)")
     if not auto:
         return None
-    if _device_index(device) in _cublaslt_failed_devices:
+    if cuda_index(device) in _cublaslt_failed_devices:
         return "it failed on this device earlier in this process (logged then); 'auto' keeps to aten"
     # While tracing, the capability an eager call cached (omni_diffusion.quantize checks the GPU
     # eagerly); unknown, aten is kept, as in eager mode on any GPU other than these.
@@ -187,14 +187,10 @@ def _cublaslt_device_reason(device: torch.device, auto: bool) -> str | None:
 _cublaslt_failed_devices: set[int] = set()
 
 
-def _device_index(device: torch.device) -> int:
-    return cuda_index(device)  # the current device for a bare "cuda", as the capability lookup
-
-
 def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
     """Record (and log once) that the cuBLASLt GEMM failed on ``device`` under ``"auto"``."""
-    if _device_index(device) not in _cublaslt_failed_devices:
-        _cublaslt_failed_devices.add(_device_index(device))
+    if cuda_index(device) not in _cublaslt_failed_devices:
+        _cublaslt_failed_devices.add(cuda_index(device))
         logger.warning("omni's cuBLASLt FP8 GEMM failed on %s under backend='auto' (%s); 'auto' uses "
                        "torch._scaled_mm there from now on", device, str(error).splitlines()[0])
 
