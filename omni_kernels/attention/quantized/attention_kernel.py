@@ -449,7 +449,9 @@ def sage_attention_quantized(
     ``out``: ``[B, Hq, Sq, D]`` (``bhsd``) or ``[B, Sq, Hq, D]`` (``bshd``),
     float16/bfloat16 (float32 under the interpreter), last dim contiguous.
     ``config.block_n`` must equal ``qkv.block_n``. Returns ``out`` or
-    ``(out, lse)`` (float32 ``[B, Hq, Sq]``).
+    ``(out, lse)`` (float32 ``[B, Hq, Sq]``). ``qkv`` built by hand must keep the
+    invariants :class:`~.reference.QuantizedQKV` lists (zero padding rows, V's
+    scale floor): they are not checked here, which would cost a device sync.
     """
     batch, hq, sq, d = qkv.q_int8.shape
     hkv, skv_pad = qkv.k_int8.shape[1], qkv.k_int8.shape[2]

@@ -159,7 +159,10 @@ class QuantizedQKV:
             (its kv head's mean): what the smoothing took out of row i's scores.
         v_fp8: float8_e4m3fn ``[B, Hkv, D, Skv_pad]`` (transposed); columns ``>= Skv`` are 0.
         v_scale: float32 ``[B, Hkv, Skv_pad // block_n]``, one per key block:
-            ``v[t] ~ v_fp8[:, t] * v_scale[t // block_n]``.
+            ``v[t] ~ v_fp8[:, t] * v_scale[t // block_n]``. Each is 0 or at least
+            ``V_AMAX_FLOOR / 448`` (2^-30; the quantizers guarantee it): the Hopper CUDA
+            kernel keeps its accumulator in units of the latest block's scale and relies on
+            that floor to keep the unit changes finite (a smaller scale can give inf/NaN).
         seq_kv: the true key count ``Skv``.
         block_n: the key block of ``k_scale`` (and of the attention kernel).
         v_permuted: ``v_fp8``'s key columns are in :func:`v_key_permutation`'s order
