@@ -9,7 +9,9 @@ one after the other in the same call and compared with ``grep RESULT``:
   ``triton.testing.do_bench`` median (warmup 10, rep 60);
 * the same time on the DiT-like inputs of
   :func:`~omni_kernels.attention.quantized.reference.dit_like_qkv` (``dit kernel``): the
-  kernel's softmax redoes a block whose scores pass its running max, which depends on the data;
+  kernel's work does not depend on the data, but its power does (at HunyuanVideo's size, at
+  the 700 W cap, these inputs ran 2% slower than randn on the H200), and a kernel variant
+  whose work does (a softmax path taken by score range) shows it here;
 * accuracy: mean row cosine and relative L2 error against float32 attention on those DiT-like
   inputs (2 heads, the first 1024 queries; ``bench/quantized_attention_tune.py``'s ``errors``),
   through the whole quantized forward.
