@@ -20,6 +20,10 @@ shape with the constraint it violates; the run goes on.
   shapes with ``Sq * Skv <= --accuracy-max-scores`` (default: all but Wan 720p
   and HunyuanVideo).
 * dispatch us: host time of omni's backend selection per call (no GPU work).
+* inputs: ``torch.randn`` (default, as ``ANCHORS.md``), or with ``--inputs dit`` DiT-like
+  activations (``reference.dit_like_qkv``: outlier channels in Q and K, a K bias): on randn the
+  FP8 kernels sit at FP8's floor for zero-mean V (~4e-2 rel err), on DiT-like inputs they show
+  their real error; a power-capped GPU also clocks lower on them. Output files get ``-dit``.
 * GPU clock and power: ``nvidia-smi`` samples (``_gpu_telemetry.py``) while each row is timed,
   for rows timed long enough (the video shapes): an H200 at its 700 W cap lowers the clock, and
   there a speed ratio between two capped kernels is a ratio of their energy per unit of work.
@@ -181,14 +185,42 @@ def lossy_table_entry(env, previous: dict | None, shapes, rows, crossovers: dict
 # --------------------------------------------------------------------------- measurement
 
 
-def _make_inputs(shape: Shape, dtype, layout: str, seed: int):
-    gen = torch.Generator(device="cuda")
+# --inputs: what q, k and v hold.
+INPUTS = {
+    "randn": "torch.randn (the anchors' inputs)",
+    "dit": "DiT-like (reference.dit_like_qkv: outlier channels in Q and K, a large per-channel "
+           "bias on a few of K's, V with a per-channel mean)",
+}
+
+
+def _make_inputs(shape: Shape, dtype, layout: str, seed: int, inputs: str = "randn",
+                 device: str = "cuda"):
+    """``(q, k, v)`` of ``shape`` in ``layout``, ``dtype``, on ``device``, from ``seed``.
+
+    ``inputs="dit"``: :func:`~omni_kernels.attention.quantized.reference.dit_like_qkv`, q from one
+    call and k, v from another (Sq may differ from Skv). Real DiT activations change both the
+    quantized kernels' error and, on a power-capped GPU, the clock (more bits toggle).
+    """
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {sorted(INPUTS)}; got {inputs!r}")
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
 
-    def one(seq):
-        x = torch.randn((shape.batch, shape.heads, seq, shape.head_dim), generator=gen,
-                        device="cuda", dtype=dtype)
+    def to_layout(x):
         return x if layout == "bhsd" else x.transpose(1, 2).contiguous()
+
+    def dims(seq):
+        return (shape.batch, shape.heads, seq, shape.head_dim)
+
+    if inputs == "dit":
+        from omni_kernels.attention.quantized.reference import dit_like_qkv
+
+        q, _, _ = dit_like_qkv(gen, dims(shape.seq_q), dtype, device)
+        _, k, v = dit_like_qkv(gen, dims(shape.seq_kv), dtype, device)
+        return to_layout(q), to_layout(k), to_layout(v)
+
+    def one(seq):
+        return to_layout(torch.randn(dims(seq), generator=gen, device=device, dtype=dtype))
 
     return one(shape.seq_q), one(shape.seq_kv), one(shape.seq_kv)
 
@@ -252,7 +284,7 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
 
     from omni_kernels.attention import attention, select_backend
 
-    q, k, v = _make_inputs(shape, dtype, layout, args.seed)
+    q, k, v = _make_inputs(shape, dtype, layout, args.seed, args.inputs)
     ref = None
     if shape.seq_q * shape.seq_kv <= args.accuracy_max_scores:
         ref = _reference(q, k, v, layout, shape.heads)
@@ -340,6 +372,7 @@ def _markdown(env, shapes, backends, rows, unavailable, table_entry) -> str:
         f"- {env['dtype']}, non-causal, layout {env['layout']}; TFLOP/s = 4*B*H*Sq*Skv*D / median "
         f"time (triton.testing.do_bench, L2 flushed); (x) = speed relative to {BASELINE}; "
         "through omni_kernels.attention.attention (dispatch included).",
+        f"- inputs: {INPUTS[env.get('inputs', 'randn')]}",
         "",
         "## TFLOP/s",
         "",
@@ -456,6 +489,7 @@ def _sweep_markdown(env, shapes, backends, rows, unavailable, crossovers, table_
         f"Sq = Skv; TFLOP/s = 4*B*H*Sq*Skv*D / median time (triton.testing.do_bench, L2 flushed); "
         f"(x) = speed relative to {BASELINE}; quantization included; through "
         "omni_kernels.attention.attention (dispatch included).",
+        f"- inputs: {INPUTS[env.get('inputs', 'randn')]}",
         "",
         "| tokens | " + " | ".join(ran) + " |",
         "| ---: | " + " | ".join("---:" for _ in ran) + " |",
@@ -483,6 +517,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"),
                         help="where the .json and .md go (default: $OUT, else bench/results)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--inputs", choices=sorted(INPUTS), default="randn",
+                        help="randn (default, as the anchors) or dit: DiT-like activations "
+                             "(outlier channels; the quantized kernels' real error, and the "
+                             "power a capped GPU draws on them)")
     parser.add_argument("--accuracy-max-scores", type=float, default=1.1e9,
                         help="check accuracy on shapes with Sq*Skv up to this (default 1.1e9)")
     parser.add_argument("--write-auto-table", action="store_true",
@@ -516,7 +554,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     env = _environment()
-    env.update(dtype=args.dtype, layout=args.layout)
+    env.update(dtype=args.dtype, layout=args.layout, inputs=args.inputs)
     if args.lossy_sweep and args.write_auto_table:
         # the sweep writes only the lossy part: an arch without a measured lossless ranking
         # would get a table of lossy backends alone, with no lossless fallback order or source
@@ -561,7 +599,8 @@ def main(argv=None) -> int:
 
     table_entry = None
     crossovers = lossy_crossovers(shapes, rows, lossy_names) if args.lossy_sweep else {}
-    kind = "attention-lossy-sweep" if args.lossy_sweep else "attention"
+    kind = ("attention-lossy-sweep" if args.lossy_sweep else "attention") + (
+        "" if args.inputs == "randn" else f"-{args.inputs}")
     stem = f"{kind}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.write_auto_table:

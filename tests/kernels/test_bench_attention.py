@@ -126,3 +126,28 @@ def test_sweep_refuses_to_write_an_arch_without_a_lossless_entry(bench, capsys, 
     assert "has no entry for sm99 yet" in capsys.readouterr().err
     assert table.read_text() == before
 
+
+
+def test_dit_inputs_have_the_outliers_and_randn_inputs_are_unchanged(bench):
+    """--inputs: randn keeps the generator sequence of before (recorded runs stay comparable);
+    dit gives DiT-like activations (K's large per-channel bias, Q's outlier channels), in the
+    requested layout, Sq and Skv apart."""
+    import torch
+
+    shape = bench.Shape("tiny", "a test shape", batch=1, heads=2, seq_q=48, seq_kv=80, head_dim=64)
+    q, k, v = bench._make_inputs(shape, torch.float32, "bhsd", 3, "randn", device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    expected = [torch.randn((1, 2, n, 64), generator=gen) for n in (48, 80, 80)]
+    for got, want in zip((q, k, v), expected):
+        assert torch.equal(got, want)
+    q, k, v = bench._make_inputs(shape, torch.float32, "bshd", 3, "dit", device="cpu")
+    assert q.shape == (1, 48, 2, 64) and k.shape == v.shape == (1, 80, 2, 64)
+    channel_mean = k.mean(dim=(0, 1, 2)).abs()
+    assert (channel_mean > 5).sum().item() == 4, "K's bias on four channels"
+    assert channel_mean.sort().values[:-4].max().item() < 1.5
+    rms = q.pow(2).mean(dim=(0, 1, 2)).sqrt()
+    assert (rms > 2.5).sum().item() == 3, "Q's three outlier channels"
+    with pytest.raises(ValueError, match=r"inputs must be one of \['dit', 'randn'\]; got 'gauss'"):
+        bench._make_inputs(shape, torch.float32, "bhsd", 3, "gauss", device="cpu")
+    assert bench.parse_args(["--inputs", "dit"]).inputs == "dit"
+    assert bench.parse_args([]).inputs == "randn"
