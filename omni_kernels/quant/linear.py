@@ -189,8 +189,9 @@ _cublaslt_failed_devices: set[int] = set()
 
 def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
     """Record (and log once) that the cuBLASLt GEMM failed on ``device`` under ``"auto"``."""
-    if cuda_index(device) not in _cublaslt_failed_devices:
-        _cublaslt_failed_devices.add(cuda_index(device))
+    index = cuda_index(device)
+    if index not in _cublaslt_failed_devices:
+        _cublaslt_failed_devices.add(index)
         logger.warning("omni's cuBLASLt FP8 GEMM failed on %s under backend='auto' (%s); 'auto' uses "
                        "torch._scaled_mm there from now on", device, str(error).splitlines()[0])
 
