@@ -24,10 +24,12 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 from omni_serve.engine import Engine, EngineError, Job, QueueFull
-from omni_serve.media import FPS, encode_apng, encode_mp4
+from omni_serve.media import FPS, encode_apng, encode_mp4, encode_spritesheet
 from omni_serve.metrics import CONTENT_TYPE_LATEST
 from omni_serve.schemas import (
     MAX_BODY_BYTES,
@@ -35,6 +37,7 @@ from omni_serve.schemas import (
     VideoCreateRequest,
     error_body,
     parse_size,
+    seconds_of,
 )
 
 
@@ -235,7 +238,7 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "extra_forbidden":
             message = "unknown field"
-        elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type"):
+        elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type", "model_type"):
             message = "the body must be a JSON object"
         text = f"{param}: {message}" if param else message
         return APIError(400, text, param=param, code="invalid_value").response()
@@ -332,7 +335,7 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                       guidance_scale=req.guidance_scale, width=width, height=height, n=n,
                       seed=req.seed if req.seed is not None else secrets.randbelow(2**32))
         if isinstance(req, VideoCreateRequest):
-            params["num_frames"] = req.num_frames
+            params["num_frames"] = req.frames
         return params
 
     def submit(engine: Engine, kind: str, params: dict, prefix: str) -> Job:
@@ -426,13 +429,20 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
     # ------------------------------------------------------------------ videos
 
     def video_object(engine: Engine, job: Job) -> dict:
+        """OpenAI's Video object (``seconds``: the time the clip spans, once its length is
+        known: :func:`omni_serve.schemas.seconds_of`)."""
+        completed = job.status == "completed"
+        frames = len(job.result["frames"]) if completed else job.params.get("num_frames")
         obj = {"id": job.id, "object": "video", "model": name_of(engine), "status": job.status,
                "progress": round(job.progress * 100), "created_at": int(job.created),
-               "completed_at": int(job.finished) if job.status == "completed" else None,
-               "size": f"{job.params['width']}x{job.params['height']}"}
+               "completed_at": int(job.finished) if completed else None,
+               "expires_at": int(job.finished + engine.keep_videos_s) if completed else None,
+               "size": f"{job.params['width']}x{job.params['height']}",
+               "seconds": seconds_of(frames) if frames else None,
+               "prompt": job.params["prompt"]}
         if job.status == "failed":
             etype, message = job.error or ("server_error", "unknown error")
-            obj["error"] = {"message": message, "type": etype}
+            obj["error"] = {"code": "generation_failed", "message": message, "type": etype}
         return obj
 
     def video_job(video_id: str) -> tuple[Engine, Job]:
@@ -442,11 +452,83 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                 return engine, job
         raise APIError(404, f"no video {video_id!r}", param="video_id", code="not_found")
 
-    @app.post("/v1/videos", dependencies=[Depends(authorize)])
-    async def create_video(req: VideoCreateRequest):
+    async def video_request(request: Request) -> VideoCreateRequest:
+        """The create body as JSON, or as form fields (OpenAI's SDK posts multipart/form-data;
+        form values are strings, so they are validated in pydantic's lax mode)."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            try:
+                form = await request.form(max_files=1, max_fields=32)
+            except (MultiPartException, StarletteHTTPException, UnicodeDecodeError,
+                    ValueError) as exc:
+                raise APIError(400, f"the body is not valid {content_type}: {exc}",
+                               code="invalid_value") from None
+            fields: Any = {}
+            try:
+                for key, value in form.multi_items():
+                    if key in fields:
+                        raise APIError(400, f"{key}: given more than once", param=key,
+                                       code="invalid_value")
+                    if not isinstance(value, str) and key != "input_reference":
+                        raise APIError(400, f"{key}: must be a text field, not a file",
+                                       param=key, code="invalid_value")
+                    fields[key] = value
+            finally:
+                await form.close()
+            strict = False
+        elif content_type in ("", "application/json") or content_type.endswith("+json"):
+            try:
+                fields = json.loads(await request.body())
+            except (ValueError, RecursionError):
+                raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                               "msg": "invalid JSON"}]) from None
+            strict = True
+        else:
+            raise APIError(415, f"Content-Type {content_type!r} is not accepted: send "
+                                "application/json or multipart/form-data",
+                           code="unsupported_media_type")
+        if isinstance(fields, dict) and "input_reference" in fields:
+            raise APIError(400, "input_reference: image-to-video is not supported; this server "
+                                "generates a video from the prompt alone",
+                           param="input_reference", code="unsupported_value")
+        try:
+            return VideoCreateRequest.model_validate(fields, strict=strict)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+
+    video_body = VideoCreateRequest.model_json_schema()
+
+    @app.post("/v1/videos", dependencies=[Depends(authorize)], openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": video_body},
+                                      "multipart/form-data": {"schema": video_body}}}})
+    async def create_video(request: Request):
+        req = await video_request(request)
         engine = check_model(req, "video")
         job = submit(engine, "video", params_of(req), "video")
         return video_object(engine, job)
+
+    @app.get("/v1/videos", dependencies=[Depends(authorize)])
+    async def list_videos(
+        after: str | None = Query(None, max_length=128,
+                                  description="the id of the last video of the previous page"),
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = Query("desc", description="by creation time"),
+    ):
+        jobs = sorted(((j.created, j.id, e, j) for e in engines for j in list(e.jobs.values())
+                       if j.kind == "video"), key=lambda item: item[:2],
+                      reverse=order == "desc")
+        start = 0
+        if after is not None:
+            ids = [item[1] for item in jobs]
+            if after not in ids:
+                raise APIError(400, f"after: no video {after!r} (deleted, expired or never "
+                                    "made)", param="after", code="invalid_value")
+            start = ids.index(after) + 1
+        page = [video_object(e, j) for _, _, e, j in jobs[start:start + limit]]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + limit < len(jobs)}
 
     @app.get("/v1/videos/{video_id}", dependencies=[Depends(authorize)])
     async def get_video(video_id: str):
@@ -458,8 +540,9 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         format: Literal["mp4", "apng", "frames"] = Query(
             "mp4", description="mp4 (H.264, video/mp4), apng (animated PNG) or frames "
                                "(JSON: each frame a base64 PNG)"),
-        variant: Literal["video", "thumbnail"] = Query(
-            "video", description="video, or thumbnail (the first frame as a PNG)"),
+        variant: Literal["video", "thumbnail", "spritesheet"] = Query(
+            "video", description="video; thumbnail (the first frame as a PNG); or spritesheet "
+                                 "(every frame in one PNG grid)"),
     ):
         _, job = video_job(video_id)
         if job.status != "completed":
@@ -468,6 +551,9 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         frames = job.result["frames"]
         if variant == "thumbnail":
             return Response(frames[0], media_type="image/png")
+        if variant == "spritesheet":
+            return Response(await asyncio.to_thread(encode_spritesheet, frames),
+                            media_type="image/png")
         if format == "frames":
             return {"object": "video.frames", "id": job.id, "fps": FPS,
                     "frames": [base64.b64encode(f).decode() for f in frames]}

@@ -1,4 +1,5 @@
-"""Video containers for ``GET /v1/videos/{id}/content``: MP4 (H.264) and animated PNG.
+"""Video containers for ``GET /v1/videos/{id}/content``: MP4 (H.264), animated PNG and a
+spritesheet (every frame in one PNG grid).
 
 MP4 is encoded in-process by PyAV, whose wheels bundle FFmpeg with libx264, so no
 system ffmpeg is needed (``pip install "omni[serve]"``).
@@ -7,6 +8,7 @@ system ffmpeg is needed (``pip install "omni[serve]"``).
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 
@@ -64,4 +66,21 @@ def encode_apng(frames: list[bytes], fps: int = FPS) -> bytes:
     buf = io.BytesIO()
     images[0].save(buf, format="PNG", save_all=True, append_images=images[1:],
                    duration=int(1000 / fps), loop=0)
+    return buf.getvalue()
+
+
+def encode_spritesheet(frames: list[bytes]) -> bytes:
+    """The frames (PNG bytes, equal sizes) tiled into one PNG, row by row, in a grid of
+    ceil(sqrt(n)) columns (OpenAI's ``variant=spritesheet``: a clip at a glance)."""
+    from PIL import Image
+
+    images = _frames(frames)
+    columns = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    width, height = images[0].size
+    sheet = Image.new("RGB", (columns * width, rows * height))
+    for i, image in enumerate(images):
+        sheet.paste(image, ((i % columns) * width, (i // columns) * height))
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG")
     return buf.getvalue()

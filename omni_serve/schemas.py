@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from omni_serve.media import FPS
 
 MAX_PROMPT_CHARS = 4000
 MAX_BODY_BYTES = 64 * 1024
@@ -85,7 +87,67 @@ class ImageGenerationRequest(_Request):
     style: str | None = Field(default=None, max_length=32)
 
 
-class VideoCreateRequest(_Request):
-    """``POST /v1/videos``."""
+def _shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a number too long to show"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
+
+def frames_for_seconds(seconds: str | int | float) -> int:
+    """A clip spanning ``seconds`` (a number, or a numeric string as OpenAI's SDK sends it) at
+    :data:`omni_serve.media.FPS`: ``seconds * FPS + 1`` frames, the first frame plus FPS a
+    second, as video DiTs count them (Wan's 81 frames at 16 fps are its 5 s; 4 s asks for 65,
+    a length Wan and HunyuanVideo take as it is). ValueError unless that is 2 to MAX_FRAMES."""
+    if isinstance(seconds, bool):
+        raise ValueError(f"must be a number of seconds, e.g. '4'; got {_shown(seconds)}")
+    try:
+        value = float(seconds.strip() if isinstance(seconds, str) else seconds)
+    except (ValueError, OverflowError):
+        raise ValueError(f"must be a number of seconds, e.g. '4'; got {_shown(seconds)}") from None
+    # bounds first: round() of an overflowed product would raise OverflowError, not ValueError
+    if not (math.isfinite(value) and 0 < value <= (MAX_FRAMES - 1) / FPS
+            and round(value * FPS) >= 1):
+        raise ValueError(f"must be between {1 / FPS:g} and {(MAX_FRAMES - 1) / FPS:g} seconds "
+                         f"({FPS} frames a second); got {_shown(seconds)}")
+    return round(value * FPS) + 1
+
+
+def seconds_of(frames: int) -> str:
+    """The time a clip of ``frames`` spans (first frame to last, at FPS), as OpenAI's Video
+    object gives ``seconds``: ``frames_for_seconds``'s inverse."""
+    return f"{(frames - 1) / FPS:g}"
+
+
+class VideoCreateRequest(_Request):
+    """``POST /v1/videos``: a JSON body, or the same fields as a form (OpenAI's SDK posts
+    ``multipart/form-data``). The clip's length is ``seconds`` or ``num_frames`` (not both);
+    neither: the model's default."""
+
+    seconds: str | int | float | None = Field(
+        default=None, description=f"clip length in seconds at {FPS} frames a second (OpenAI's "
+                                  "field; its SDK sends a string such as '4')")
     num_frames: int | None = Field(default=None, ge=1, le=MAX_FRAMES)
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, value: str | int | float | None) -> str | int | float | None:
+        if value is not None:
+            frames_for_seconds(value)
+        return value
+
+    @field_validator("num_frames")
+    @classmethod
+    def _one_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("seconds") is not None:
+            raise ValueError("give seconds or num_frames, not both")
+        return value
+
+    @property
+    def frames(self) -> int | None:
+        """The frame count asked for (from ``num_frames`` or ``seconds``), or None."""
+        if self.num_frames is not None:
+            return self.num_frames
+        return None if self.seconds is None else frames_for_seconds(self.seconds)

@@ -280,6 +280,204 @@ def test_videos_refused_by_an_image_model():
     run(main())
 
 
+def _video_client():
+    return _client(StubEngine(kind="video", name="stub-video"))
+
+
+async def _wait_video(client, video_id: str) -> dict:
+    for _ in range(200):
+        obj = (await client.get(f"/v1/videos/{video_id}")).json()
+        if obj["status"] not in ("queued", "in_progress"):
+            return obj
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{video_id} never finished")
+
+
+def test_video_create_from_a_form_as_openais_sdk_sends_it():
+    """OpenAI's SDK posts multipart/form-data with ``seconds`` as a string; a JSON body and
+    an urlencoded form take the same fields. ``seconds`` is the span: s * FPS + 1 frames."""
+    async def main():
+        client, engine = _video_client()
+        async with client:
+            # multipart, every field a form part, as the SDK builds it
+            parts = {"prompt": (None, "a cat"), "seconds": (None, "8"), "size": (None, "16x16"),
+                     "model": (None, "stub-video")}
+            r = await client.post("/v1/videos", files=parts)
+            assert r.status_code == 200, r.text
+            assert r.request.headers["content-type"].startswith("multipart/form-data")
+            params = engine.submitted[-1]
+            assert (params["prompt"], params["num_frames"], params["width"]) == ("a cat", 129, 16)
+            obj = r.json()
+            assert obj["seconds"] == "8" and obj["size"] == "16x16" and obj["prompt"] == "a cat"
+            # urlencoded (httpx's data= alone): numbers as strings too
+            r = await client.post("/v1/videos", data={"prompt": "a fox", "seconds": "4",
+                                                      "size": "32x48", "seed": "3",
+                                                      "guidance_scale": "2.5",
+                                                      "num_inference_steps": "3"})
+            assert r.status_code == 200, r.text
+            assert r.request.headers["content-type"] == "application/x-www-form-urlencoded"
+            params = engine.submitted[-1]
+            assert (params["num_frames"], params["seed"], params["guidance_scale"],
+                    params["num_inference_steps"], params["height"]) == (65, 3, 2.5, 3, 48)
+            # JSON: seconds as a number or a string; or num_frames; or neither
+            r = await client.post("/v1/videos", json={"prompt": "a cat", "seconds": 1})
+            assert r.status_code == 200 and engine.submitted[-1]["num_frames"] == 17
+            r = await client.post("/v1/videos", json={"prompt": "a cat", "seconds": "0.5"})
+            assert r.status_code == 200 and engine.submitted[-1]["num_frames"] == 9
+            r = await client.post("/v1/videos", json={"prompt": "a cat", "num_frames": 9})
+            assert r.status_code == 200 and r.json()["seconds"] == "0.5"
+            r = await client.post("/v1/videos", json={"prompt": "a cat"})
+            assert engine.submitted[-1]["num_frames"] is None and r.json()["seconds"] is None
+            done = await _wait_video(client, r.json()["id"])  # the stub makes 2 frames
+            assert done["status"] == "completed" and done["seconds"] == "0.0625"
+            assert abs(done["expires_at"] - done["completed_at"] - engine.keep_videos_s) <= 1
+    run(main())
+
+
+BAD_VIDEO = [
+    ({"prompt": "a", "seconds": "0"}, "seconds"),
+    ({"prompt": "a", "seconds": "-4"}, "seconds"),
+    ({"prompt": "a", "seconds": "17"}, "seconds"),
+    ({"prompt": "a", "seconds": "four"}, "seconds"),
+    ({"prompt": "a", "seconds": "nan"}, "seconds"),
+    ({"prompt": "a", "seconds": "1e400"}, "seconds"),
+    ({"prompt": "a", "seconds": "4", "num_frames": "9"}, "num_frames"),
+    ({"prompt": "a", "num_frames": "0"}, "num_frames"),
+    ({"prompt": "a", "num_frames": "1.5"}, "num_frames"),
+    ({"prompt": "a", "seed": "x"}, "seed"),
+    ({"prompt": "a", "size": "33x32"}, "size"),
+    ({"prompt": "a", "bogus": "1"}, "bogus"),
+    ({"prompt": "a", "input_reference": "ref.png"}, "input_reference"),
+    ({"seconds": "4"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("encoding", ["json", "multipart", "urlencoded"])
+@pytest.mark.parametrize("fields,param", BAD_VIDEO,
+                         ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD_VIDEO)])
+def test_bad_video_inputs_name_the_field(fields, param, encoding):
+    """The same 400 (naming the field) whichever way the fields come; nothing reaches the
+    engine. (JSON gets numbers as numbers; a form can only send strings.)"""
+    async def main():
+        client, engine = _video_client()
+        async with client:
+            if encoding == "json":
+                body = {k: (v if k in ("prompt", "size", "bogus", "input_reference", "seconds")
+                            else float(v) if "." in v else int(v) if v.lstrip("-").isdigit()
+                            else v) for k, v in fields.items()}
+                r = await client.post("/v1/videos", json=body)
+            elif encoding == "multipart":
+                r = await client.post("/v1/videos",
+                                      files={k: (None, v) for k, v in fields.items()})
+            else:
+                r = await client.post("/v1/videos", data=fields)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert engine.submitted == []
+    run(main())
+
+
+def test_video_form_edge_cases():
+    async def main():
+        client, engine = _video_client()
+        async with client:
+            # an uploaded reference image: image-to-video is refused by name
+            r = await client.post("/v1/videos", data={"prompt": "a"},
+                                  files={"input_reference": ("ref.png", _png(), "image/png")})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
+            assert "image-to-video" in r.json()["error"]["message"]
+            r = await client.post("/v1/videos", files={"prompt": ("p.txt", b"a fox", "text/plain")})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            r = await client.post("/v1/videos", content=b"prompt=a&prompt=b",
+                                  headers={"content-type": "application/x-www-form-urlencoded"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            r = await client.post("/v1/videos", content=b"--x\r\nbroken",
+                                  headers={"content-type": "multipart/form-data; boundary=x"})
+            assert r.status_code == 400 and "error" in r.json()
+            r = await client.post("/v1/videos", content=b"prompt: a",
+                                  headers={"content-type": "text/yaml"})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+            r = await client.post("/v1/videos", content=b"{not json",
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+            r = await client.post("/v1/videos", json=["a", "list"])
+            assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+            r = await client.post("/v1/videos", content=b"[" * 5000 + b"]" * 5000,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            r = await client.post("/v1/videos", data={"prompt": "a", "x": "y" * 70_000})
+            assert r.status_code == 413
+        assert engine.submitted == []
+    run(main())
+
+
+def test_video_list_pages_and_spritesheet():
+    async def main():
+        client, engine = _video_client()
+        async with client:
+            ids = []
+            for i in range(5):
+                r = await client.post("/v1/videos", json={"prompt": f"clip {i}"})
+                ids.append(r.json()["id"])
+                await _wait_video(client, ids[-1])
+                engine.jobs[ids[-1]].created = 1000.0 + i  # distinct, ordered creation times
+            page = (await client.get("/v1/videos", params={"limit": 2})).json()
+            assert page["object"] == "list" and page["has_more"] is True
+            assert [v["id"] for v in page["data"]] == ids[:2:-1][:2] == [ids[4], ids[3]]
+            assert (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+            seen = [v["id"] for v in page["data"]]
+            while page["has_more"]:
+                page = (await client.get("/v1/videos", params={"limit": 2,
+                                                               "after": page["last_id"]})).json()
+                seen += [v["id"] for v in page["data"]]
+            assert seen == ids[::-1]
+            asc = (await client.get("/v1/videos", params={"order": "asc", "limit": 100})).json()
+            assert [v["id"] for v in asc["data"]] == ids and asc["has_more"] is False
+            for params, param in [({"after": "video_nope"}, "after"), ({"limit": 0}, "limit"),
+                                  ({"limit": 101}, "limit"), ({"order": "up"}, "order")]:
+                r = await client.get("/v1/videos", params=params)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            await client.delete(f"/v1/videos/{ids[0]}")
+            left = (await client.get("/v1/videos", params={"limit": 100})).json()["data"]
+            assert ids[0] not in [v["id"] for v in left] and len(left) == 4
+            empty = (await client.get("/v1/videos", params={"after": ids[1]})).json()
+            assert empty["data"] == [] and empty["first_id"] is None and not empty["has_more"]
+
+            from PIL import Image
+
+            r = await client.get(f"/v1/videos/{ids[1]}/content", params={"variant": "spritesheet"})
+            assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+            sheet = Image.open(io.BytesIO(r.content))
+            assert sheet.size == (16, 8)  # the stub's two 8x8 frames side by side
+            assert sheet.convert("RGB").getpixel((12, 4)) == (10, 200, 30)
+    run(main())
+
+
+def test_spritesheet_grid():
+    import numpy as np
+    from PIL import Image
+
+    from omni_serve.media import encode_spritesheet
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (6, 10, 3), dtype=np.uint8) for _ in range(7)]
+    frames = []
+    for a in arrays:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    sheet = np.asarray(Image.open(io.BytesIO(encode_spritesheet(frames))).convert("RGB"))
+    assert sheet.shape == (3 * 6, 3 * 10, 3)  # 7 frames: 3 columns, 3 rows, row by row
+    for i, a in enumerate(arrays):
+        r, c = divmod(i, 3)
+        assert np.array_equal(sheet[6 * r:6 * r + 6, 10 * c:10 * c + 10], a)
+    assert not sheet[12:, 10:].any()  # the unused cells stay black
+    with pytest.raises(ValueError, match="frames"):
+        encode_spritesheet([])
+
+
 @pytest.mark.parametrize("width,height", [(17, 9), (32, 32), (8, 8)])
 def test_mp4_and_apng_round_trip(width, height):
     """H.264 MP4 of smooth frames (odd sides padded to even) decodes to the same frames."""

@@ -48,6 +48,25 @@ def test_generate_b64_and_url(server):
     assert got.status_code == 200 and got.content.startswith(b"\x89PNG")
 
 
+def test_openai_python_sdk_images(server):
+    """OpenAI's own Python SDK: images.generate, b64_json and url, omni's fields in
+    extra_body; a bad size comes back as the SDK's BadRequestError."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    result = client.images.generate(prompt="a red fox", n=2, size="32x48", model="tiny-flux",
+                                    response_format="b64_json",
+                                    extra_body={"num_inference_steps": 2, "seed": 3})
+    images = [_image(d.b64_json) for d in result.data]
+    assert len(images) == 2 and all(im.size == (32, 48) for im in images)
+    url = client.images.generate(prompt="a red fox", response_format="url",
+                                 extra_body={"num_inference_steps": 2}).data[0].url
+    assert httpx.get(url).content.startswith(b"\x89PNG")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.images.generate(prompt="a red fox", size="33x33")
+    assert bad.value.status_code == 400 and "size" in str(bad.value)
+
+
 def test_concurrent_results_belong_to_their_requests(server):
     def body(seed):
         return {"prompt": f"prompt {seed}", "num_inference_steps": 2, "seed": seed}
