@@ -8,9 +8,11 @@ It calls ``omni_diffusion``; nothing below it imports this package.
 * ``GET /health`` (liveness), ``GET /health/ready`` (readiness, 503 until the worker is up),
   ``GET /metrics`` (Prometheus), ``GET /`` (playground page);
 * ``GET /v1/models``; ``POST /v1/images/generations`` (``stream: true`` for server-sent
-  events with per-step progress, then the result);
-* ``POST /v1/videos`` (asynchronous job), ``GET /v1/videos/{id}``,
-  ``GET /v1/videos/{id}/content`` (MP4; ``?format=apng|frames``, ``?variant=thumbnail``),
+  ``progress`` events, one per step, then one OpenAI ``image_generation.completed`` event
+  per image);
+* ``POST /v1/videos`` (asynchronous job; a JSON body or the form OpenAI's SDK posts),
+  ``GET /v1/videos`` (paged), ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``
+  (MP4; ``?format=apng|frames``, ``?variant=thumbnail|spritesheet``),
   ``DELETE /v1/videos/{id}`` (cancels);
 * ``GET /v1/files/{name}``: ``response_format="url"`` results (random names, time limit).
 

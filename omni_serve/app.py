@@ -416,7 +416,14 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                 if what == "done":
                     body = await asyncio.to_thread(image_payload, job, request, response_format)
                     engine.forget(job.id)
-                    yield _event("result", {"type": "result", "id": job.id, **body})
+                    # OpenAI's completed event, one an image (its SDK reads these; omni adds
+                    # id and index, and url in place of b64_json for response_format="url")
+                    size = f"{job.params['width']}x{job.params['height']}"
+                    for index, item in enumerate(body["data"]):
+                        yield _event("image_generation.completed", {
+                            "type": "image_generation.completed", "id": job.id, "index": index,
+                            "created_at": body["created"], "size": size, "output_format": "png",
+                            "background": "opaque", "quality": None, "usage": None, **item})
                 else:
                     err = job_error(job)
                     yield _event("error", error_body(err.message, err.type, err.param, err.code))

@@ -56,13 +56,11 @@ $("go").onclick = async () => {
       if (ev.type === "progress") {
         $("bar").max = ev.total || 1; $("bar").value = ev.step;
         $("status").textContent = "step " + ev.step + " / " + (ev.total || "?");
-      } else if (ev.type === "result") {
+      } else if (ev.type === "image_generation.completed") {
         $("status").textContent = "done";
-        for (const d of ev.data) {
-          const img = document.createElement("img");
-          img.src = d.url || ("data:image/png;base64," + d.b64_json);
-          $("out").appendChild(img);
-        }
+        const img = document.createElement("img");
+        img.src = ev.url || ("data:image/png;base64," + ev.b64_json);
+        $("out").appendChild(img);
       } else if (ev.error) { $("err").textContent = ev.error.message; }
     }
   }

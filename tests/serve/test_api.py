@@ -237,10 +237,22 @@ def test_stream_events_parse(parse_sse):
             r = await client.post("/v1/images/generations", json={"prompt": "a", "stream": True})
             assert r.headers["content-type"].startswith("text/event-stream")
             events = parse_sse(r.text)
-        assert [e[0] for e in events] == ["queued", "progress", "progress", "result", None]
+            r = await client.post("/v1/images/generations",
+                                  json={"prompt": "a", "stream": True, "n": 2, "size": "32x48",
+                                        "response_format": "url"})
+            two = parse_sse(r.text)
+        done = "image_generation.completed"
+        assert [e[0] for e in events] == ["queued", "progress", "progress", done, None]
         assert [e[1]["step"] for e in events if e[0] == "progress"] == [1, 2]
-        assert base64.b64decode(events[3][1]["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        completed = events[3][1]
+        assert completed["type"] == done and completed["index"] == 0
+        assert (completed["size"], completed["output_format"]) == ("64x64", "png")
+        assert base64.b64decode(completed["b64_json"]).startswith(b"\x89PNG")
         assert events[-1][1] == "[DONE]"
+        assert [e[0] for e in two] == ["queued", "progress", "progress", done, done, None]
+        assert [(e[1]["index"], e[1]["size"], "b64_json" in e[1]) for e in two if e[0] == done] \
+            == [(0, "32x48", False), (1, "32x48", False)]
+        assert all(e[1]["url"].startswith("http://test/v1/files/") for e in two if e[0] == done)
     run(main())
 
 

@@ -65,6 +65,16 @@ def test_openai_python_sdk_images(server):
     with pytest.raises(openai.BadRequestError) as bad:
         client.images.generate(prompt="a red fox", size="33x33")
     assert bad.value.status_code == 400 and "size" in str(bad.value)
+    # streamed: the SDK yields omni's progress events, then OpenAI's completed events
+    events = list(client.images.generate(prompt="a red fox", n=2, stream=True,
+                                         extra_body={"num_inference_steps": 2, "seed": 3}))
+    completed = [e for e in events if e.type == "image_generation.completed"]
+    assert [e.type for e in events[-2:]] == ["image_generation.completed"] * 2
+    assert [_image(e.b64_json).size for e in completed] == [(32, 32), (32, 32)]
+    # the same seed gives the same images streamed or not
+    plain = client.images.generate(prompt="a red fox", n=2, response_format="b64_json",
+                                   extra_body={"num_inference_steps": 2, "seed": 3})
+    assert [e.b64_json for e in completed] == [d.b64_json for d in plain.data]
 
 
 def test_concurrent_results_belong_to_their_requests(server):
@@ -91,10 +101,11 @@ def test_stream_progress_then_result(server, parse_sse):
         text = r.read().decode()
     events = parse_sse(text)
     names = [e[0] for e in events]
-    assert names == ["queued", "progress", "progress", "progress", "result", None], names
+    assert names == ["queued", "progress", "progress", "progress", "image_generation.completed",
+                     None], names
     assert [e[1]["step"] for e in events if e[0] == "progress"] == [1, 2, 3]
     assert all(e[1]["total"] == 3 for e in events if e[0] == "progress")
-    assert _image(events[4][1]["data"][0]["b64_json"]).size == (32, 32)
+    assert _image(events[4][1]["b64_json"]).size == (32, 32)
     assert events[-1][1] == "[DONE]"
 
 
