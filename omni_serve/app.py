@@ -416,7 +416,7 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                 if what == "done":
                     body = await asyncio.to_thread(image_payload, job, request, response_format)
                     engine.forget(job.id)
-                    # OpenAI's completed event, one an image (its SDK reads these; omni adds
+                    # OpenAI's completed event, one per image (its SDK reads these; omni adds
                     # id and index, and url in place of b64_json for response_format="url")
                     size = f"{job.params['width']}x{job.params['height']}"
                     for index, item in enumerate(body["data"]):
