@@ -29,7 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from omni_serve.engine import Engine, EngineError, Job, QueueFull
-from omni_serve.media import FPS, encode_apng, encode_mp4, encode_spritesheet
+from omni_serve.media import (
+    FPS,
+    IMAGE_MEDIA_TYPES,
+    encode_apng,
+    encode_image,
+    encode_mp4,
+    encode_spritesheet,
+)
 from omni_serve.metrics import CONTENT_TYPE_LATEST
 from omni_serve.schemas import (
     MAX_BODY_BYTES,
@@ -56,7 +63,7 @@ class APIError(Exception):
 
 # --------------------------------------------------------------------------- files
 
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_-]{16,64}\.(png|apng)$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_-]{16,64}\.(png|apng|jpeg|webp)$")
 
 
 class FileStore:
@@ -355,15 +362,18 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         status = 400 if etype == "invalid_request_error" else 500
         return APIError(status, message, type=etype, code="generation_failed")
 
-    def image_payload(job: Job, request: Request, response_format: str) -> dict:
+    def image_payload(job: Job, request: Request, req: ImageGenerationRequest) -> dict:
+        """OpenAI's images response: each image in req.output_format, inline or as a file."""
         data = []
         for png in job.result["images"]:
-            if response_format == "url":
-                name = files.put(png)
+            image = encode_image(png, req.output_format, req.output_compression)
+            if req.response_format == "url":
+                name = files.put(image, req.output_format, IMAGE_MEDIA_TYPES[req.output_format])
                 data.append({"url": str(request.base_url) + f"v1/files/{name}"})
             else:
-                data.append({"b64_json": base64.b64encode(png).decode()})
-        return {"created": int(job.created), "data": data}
+                data.append({"b64_json": base64.b64encode(image).decode()})
+        return {"created": int(job.created), "data": data, "output_format": req.output_format,
+                "size": f"{job.params['width']}x{job.params['height']}"}
 
     def server_timing(job: Job) -> str:
         """``queue`` (submitted to the start of its pipeline call) and ``engine`` (the
@@ -379,7 +389,7 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         engine = check_model(req, "image")
         job = submit(engine, "image", params_of(req, req.n), "img")
         if req.stream:
-            return StreamingResponse(_sse(engine, job, request, req.response_format),
+            return StreamingResponse(_sse(engine, job, request, req),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})
         try:
@@ -398,12 +408,12 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
             raise
         if job.status != "completed":
             raise job_error(job)
-        payload = await asyncio.to_thread(image_payload, job, request, req.response_format)
+        payload = await asyncio.to_thread(image_payload, job, request, req)
         engine.forget(job.id)
         return JSONResponse(payload, headers={"X-Request-Id": job.id,
                                               "Server-Timing": server_timing(job)})
 
-    async def _sse(engine: Engine, job: Job, request: Request, response_format: str):
+    async def _sse(engine: Engine, job: Job, request: Request, req: ImageGenerationRequest):
         finished = False
         try:
             yield _event("queued", {"type": "queued", "id": job.id})
@@ -414,16 +424,16 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                     continue
                 finished = True
                 if what == "done":
-                    body = await asyncio.to_thread(image_payload, job, request, response_format)
+                    body = await asyncio.to_thread(image_payload, job, request, req)
                     engine.forget(job.id)
                     # OpenAI's completed event, one per image (its SDK reads these; omni adds
                     # id and index, and url in place of b64_json for response_format="url")
-                    size = f"{job.params['width']}x{job.params['height']}"
                     for index, item in enumerate(body["data"]):
                         yield _event("image_generation.completed", {
                             "type": "image_generation.completed", "id": job.id, "index": index,
-                            "created_at": body["created"], "size": size, "output_format": "png",
-                            "background": "opaque", "quality": None, "usage": None, **item})
+                            "created_at": body["created"], "size": body["size"],
+                            "output_format": body["output_format"], "background": "opaque",
+                            "quality": None, "usage": None, **item})
                 else:
                     err = job_error(job)
                     yield _event("error", error_body(err.message, err.type, err.param, err.code))

@@ -41,6 +41,15 @@ def parse_size(size: str) -> tuple[int, int]:
     return width, height
 
 
+def _shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a number too long to show"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -82,18 +91,42 @@ class ImageGenerationRequest(_Request):
     n: int = Field(default=1, ge=1, le=MAX_N)
     response_format: Literal["b64_json", "url"] = "b64_json"
     stream: bool = False
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(
+        default=None, ge=0, le=100,
+        description="jpeg/webp quality, 0-100 (default 100; png is lossless: not allowed)")
+    # what the models here make: an opaque image, and no partial images while it denoises
+    background: str | None = Field(default=None, max_length=32,
+                                   description="'auto' or 'opaque' (transparency is not offered)")
+    partial_images: int | None = Field(default=None, description="0 (partial images are not "
+                                                                 "offered)")
     # accepted for compatibility with OpenAI clients, ignored
     quality: str | None = Field(default=None, max_length=32)
     style: str | None = Field(default=None, max_length=32)
+    moderation: str | None = Field(default=None, max_length=32)
 
+    @field_validator("background")
+    @classmethod
+    def _opaque(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "opaque"):
+            raise ValueError(f"{_shown(value)} is not offered: the models here make opaque "
+                             "images; allowed: 'auto', 'opaque'")
+        return value
 
-def _shown(value: object, limit: int = 40) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str()
-        return "a number too long to show"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    @field_validator("partial_images")
+    @classmethod
+    def _no_partials(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise ValueError("partial images are not offered (the image is decoded once, at "
+                             "the end); allowed: 0. stream: true gives per-step progress")
+        return value
+
+    @field_validator("output_compression")
+    @classmethod
+    def _lossy_only(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("output_format", "png") == "png":
+            raise ValueError("applies to output_format 'jpeg' or 'webp' only; png is lossless")
+        return value
 
 
 def frames_for_seconds(seconds: str | int | float) -> int:

@@ -131,6 +131,12 @@ BAD = [
     ({"prompt": "a", "negative_prompt": "x" * 5000}, "negative_prompt"),
     ({"prompt": "a", "bogus": 1}, "bogus"),
     ({"prompt": "a", "model": "dall-e-3"}, "model"),
+    ({"prompt": "a", "output_format": "gif"}, "output_format"),
+    ({"prompt": "a", "output_compression": 50}, "output_compression"),  # png: lossless
+    ({"prompt": "a", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"prompt": "a", "output_format": "webp", "output_compression": -1}, "output_compression"),
+    ({"prompt": "a", "background": "transparent"}, "background"),
+    ({"prompt": "a", "partial_images": 2}, "partial_images"),
 ]
 
 
@@ -146,6 +152,44 @@ def test_bad_inputs_name_the_field(body, param):
         assert err["type"] == "invalid_request_error"
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         assert engine.submitted == []  # nothing reached the engine
+    run(main())
+
+
+def test_image_output_formats():
+    """output_format png (as generated), jpeg or webp, inline or as a file of that type;
+    output_compression is the lossy formats' quality; the response names format and size."""
+    from PIL import Image
+
+    async def main():
+        client, engine = _client()
+        got = {}
+        async with client:
+            for fmt, compression in [("png", None), ("jpeg", None), ("jpeg", 10), ("webp", 90)]:
+                body = {"prompt": "a", "output_format": fmt, "background": "opaque",
+                        "moderation": "low", "partial_images": 0}
+                if compression is not None:
+                    body["output_compression"] = compression
+                r = await client.post("/v1/images/generations", json=body)
+                assert r.status_code == 200, r.text
+                payload = r.json()
+                assert (payload["output_format"], payload["size"]) == (fmt, "64x64")
+                data = base64.b64decode(payload["data"][0]["b64_json"])
+                image = Image.open(io.BytesIO(data))
+                assert image.format == {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[fmt]
+                assert image.size == (8, 8)  # the stub's image, re-encoded
+                pixel = image.convert("RGB").getpixel((4, 4))
+                assert max(abs(a - b) for a, b in zip(pixel, (10, 200, 30))) <= 8, pixel
+                got[(fmt, compression)] = data
+            assert got[("png", None)] == _png()  # png passes through untouched
+            assert len(got[("jpeg", 10)]) < len(got[("jpeg", None)])  # quality 10 < 100
+            r = await client.post("/v1/images/generations",
+                                  json={"prompt": "a", "output_format": "webp",
+                                        "response_format": "url"})
+            url = r.json()["data"][0]["url"]
+            assert url.endswith(".webp")
+            file = await client.get(url.removeprefix("http://test"))
+            assert file.headers["content-type"] == "image/webp"
+            assert Image.open(io.BytesIO(file.content)).format == "WEBP"
     run(main())
 
 
@@ -253,6 +297,7 @@ def test_stream_events_parse(parse_sse):
         assert [(e[1]["index"], e[1]["size"], "b64_json" in e[1]) for e in two if e[0] == done] \
             == [(0, "32x48", False), (1, "32x48", False)]
         assert all(e[1]["url"].startswith("http://test/v1/files/") for e in two if e[0] == done)
+        assert all(e[1]["output_format"] == "png" for e in two if e[0] == done)
     run(main())
 
 

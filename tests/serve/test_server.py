@@ -75,6 +75,14 @@ def test_openai_python_sdk_images(server):
     plain = client.images.generate(prompt="a red fox", n=2, response_format="b64_json",
                                    extra_body={"num_inference_steps": 2, "seed": 3})
     assert [e.b64_json for e in completed] == [d.b64_json for d in plain.data]
+    # OpenAI's format fields: a jpeg at quality 80, streamed too
+    jpeg = client.images.generate(prompt="a red fox", output_format="jpeg", output_compression=80,
+                                  background="opaque", moderation="auto",
+                                  extra_body={"num_inference_steps": 2, "seed": 3})
+    assert jpeg.output_format == "jpeg" and _image(jpeg.data[0].b64_json).format == "JPEG"
+    streamed = list(client.images.generate(prompt="a red fox", output_format="webp", stream=True,
+                                           extra_body={"num_inference_steps": 2, "seed": 3}))
+    assert streamed[-1].output_format == "webp" and _image(streamed[-1].b64_json).format == "WEBP"
 
 
 def test_concurrent_results_belong_to_their_requests(server):
