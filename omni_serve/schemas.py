@@ -160,8 +160,9 @@ class VideoCreateRequest(_Request):
     neither: the model's default."""
 
     seconds: str | int | float | None = Field(
-        default=None, description=f"clip length in seconds at {FPS} frames a second (OpenAI's "
-                                  "field; its SDK sends a string such as '4')")
+        default=None, description=f"the time the clip spans, at {FPS} frames a second: "
+                                  f"seconds * {FPS} + 1 frames (OpenAI's field; its SDK sends a "
+                                  "string such as '4')")
     num_frames: int | None = Field(default=None, ge=1, le=MAX_FRAMES)
 
     @field_validator("seconds")
