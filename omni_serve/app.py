@@ -33,7 +33,6 @@ from omni_serve.media import (
     FPS,
     IMAGE_MEDIA_TYPES,
     encode_apng,
-    encode_image,
     encode_mp4,
     encode_spritesheet,
 )
@@ -343,7 +342,13 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                       seed=req.seed if req.seed is not None else secrets.randbelow(2**32))
         if isinstance(req, VideoCreateRequest):
             params["num_frames"] = req.frames
+        else:  # the worker encodes each image once, in this format
+            params["output_format"] = req.output_format
+            params["output_compression"] = req.output_compression
         return params
+
+    def size_of(job: Job) -> str:
+        return f"{job.params['width']}x{job.params['height']}"
 
     def submit(engine: Engine, kind: str, params: dict, prefix: str) -> Job:
         try:
@@ -363,17 +368,17 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
         return APIError(status, message, type=etype, code="generation_failed")
 
     def image_payload(job: Job, request: Request, req: ImageGenerationRequest) -> dict:
-        """OpenAI's images response: each image in req.output_format, inline or as a file."""
+        """OpenAI's images response: each image (encoded by the worker in req.output_format)
+        inline or as a file."""
         data = []
-        for png in job.result["images"]:
-            image = encode_image(png, req.output_format, req.output_compression)
+        for image in job.result["images"]:
             if req.response_format == "url":
                 name = files.put(image, req.output_format, IMAGE_MEDIA_TYPES[req.output_format])
                 data.append({"url": str(request.base_url) + f"v1/files/{name}"})
             else:
                 data.append({"b64_json": base64.b64encode(image).decode()})
         return {"created": int(job.created), "data": data, "output_format": req.output_format,
-                "size": f"{job.params['width']}x{job.params['height']}"}
+                "size": size_of(job)}
 
     def server_timing(job: Job) -> str:
         """``queue`` (submitted to the start of its pipeline call) and ``engine`` (the
@@ -454,7 +459,7 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
                "progress": round(job.progress * 100), "created_at": int(job.created),
                "completed_at": int(job.finished) if completed else None,
                "expires_at": int(job.finished + engine.keep_videos_s) if completed else None,
-               "size": f"{job.params['width']}x{job.params['height']}",
+               "size": size_of(job),
                "seconds": seconds_of(frames) if frames else None,
                "prompt": job.params["prompt"]}
         if job.status == "failed":

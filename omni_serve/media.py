@@ -89,18 +89,16 @@ def encode_spritesheet(frames: list[bytes]) -> bytes:
 IMAGE_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
-def encode_image(png: bytes, output_format: str, compression: int | None = None) -> bytes:
-    """A generated image (PNG bytes) in ``output_format`` (``png``: returned as it is;
-    ``jpeg``/``webp`` at quality ``compression``, 0-100, default 100)."""
+def encode_image(image, output_format: str = "png", compression: int | None = None) -> bytes:
+    """A PIL image as ``output_format``: png (lossless), or jpeg/webp at quality
+    ``compression`` (0-100, default 100)."""
     if output_format not in IMAGE_MEDIA_TYPES:
         raise ValueError(f"output_format: {output_format!r} is not one of "
                          f"{', '.join(IMAGE_MEDIA_TYPES)}")
-    if output_format == "png":
-        return png
-    from PIL import Image
-
     buf = io.BytesIO()
-    quality = 100 if compression is None else compression
-    Image.open(io.BytesIO(png)).convert("RGB").save(
-        buf, format=output_format.upper(), quality=quality)
+    if output_format == "png":
+        image.save(buf, format="PNG")
+    else:
+        image.convert("RGB").save(buf, format=output_format.upper(),
+                                  quality=100 if compression is None else compression)
     return buf.getvalue()

@@ -20,7 +20,6 @@ retried one at a time, so only the bad job fails.
 from __future__ import annotations
 
 import inspect
-import io
 import queue
 import time
 import traceback
@@ -63,12 +62,6 @@ def load_pipeline(model: str | None, dtype_name: str, device: str, kind: str | N
 def _model_kind(pipe) -> str:
     name = type(pipe).__name__.lower()
     return "video" if ("video" in name or "wan" in name) else "image"
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _call_kwargs(pipe, kind: str, batch: list[tuple[str, dict[str, Any]]], callback,
@@ -121,11 +114,18 @@ def _call_kwargs(pipe, kind: str, batch: list[tuple[str, dict[str, Any]]], callb
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
-def _outputs(out, kind: str) -> list[dict[str, list[bytes]]]:
-    """One entry per row of a pipeline output: ``{"images": [png]}`` or ``{"frames": [png...]}``."""
+def _outputs(out, kind: str,
+             batch: list[tuple[str, dict[str, Any]]]) -> list[dict[str, list[bytes]]]:
+    """One entry per row of a pipeline output: ``{"images": [bytes]}``, each image encoded
+    once, here, in its request's ``output_format`` (png when absent), or ``{"frames": [png...]}``."""
+    from omni_serve.batching import rows_of
+    from omni_serve.media import encode_image
+
     if kind == "image":
-        return [{"images": [_png(im)]} for im in out.images]
-    return [{"frames": [_png(_to_pil(f)) for f in video]} for video in out.frames]
+        formats = [(params.get("output_format", "png"), params.get("output_compression"))
+                   for _, params in batch for _ in range(rows_of(params))]
+        return [{"images": [encode_image(im, *fmt)]} for im, fmt in zip(out.images, formats)]
+    return [{"frames": [encode_image(_to_pil(f)) for f in video]} for video in out.frames]
 
 
 def prompt_stage_stats(pipe) -> dict[str, int] | None:
@@ -201,7 +201,7 @@ class _BatchRunner:
             with torch.inference_mode():
                 out = self.pipe(**kwargs)
             seconds = time.perf_counter() - start  # the pipeline call alone (Server-Timing)
-            rows = _outputs(out, self.kind)
+            rows = _outputs(out, self.kind, batch)
         except _Cancelled:
             for job_id in ids:
                 self.events.put(("cancelled", job_id))

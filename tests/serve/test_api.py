@@ -14,12 +14,24 @@ from omni_serve.app import create_app
 from omni_serve.engine import Engine, Job, QueueFull
 
 
-def _png(size: int = 8) -> bytes:
+def _image_as(output_format: str = "png", compression: int | None = None, size: int = 8) -> bytes:
     from PIL import Image
 
-    buf = io.BytesIO()
-    Image.new("RGB", (size, size), (10, 200, 30)).save(buf, format="PNG")
-    return buf.getvalue()
+    from omni_serve.media import encode_image
+
+    return encode_image(Image.new("RGB", (size, size), (10, 200, 30)), output_format, compression)
+
+
+def _png(size: int = 8) -> bytes:
+    return _image_as("png", size=size)
+
+
+def _assert_invalid(r, param: str) -> None:
+    """A 400 with an OpenAI-style error body naming ``param``."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
 class StubEngine(Engine):
@@ -44,8 +56,10 @@ class StubEngine(Engine):
                 self._on_event(("progress", [job.id], step, 2, 0.01))
             if job.kind == "video":
                 self._on_event(("done", job.id, {"frames": [_png(), _png()]}))
-            else:
-                self._on_event(("done", job.id, {"images": [_png()] * job.params["n"]}))
+            else:  # encoded as the worker does: in the request's output_format
+                image = _image_as(job.params.get("output_format", "png"),
+                                  job.params.get("output_compression"))
+                self._on_event(("done", job.id, {"images": [image] * job.params["n"]}))
 
         loop.call_soon(finish)
 
@@ -146,11 +160,7 @@ def test_bad_inputs_name_the_field(body, param):
         client, engine = _client()
         async with client:
             r = await client.post("/v1/images/generations", json=body)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == param
-        assert err["type"] == "invalid_request_error"
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        _assert_invalid(r, param)
         assert engine.submitted == []  # nothing reached the engine
     run(main())
 
@@ -180,7 +190,7 @@ def test_image_output_formats():
                 pixel = image.convert("RGB").getpixel((4, 4))
                 assert max(abs(a - b) for a, b in zip(pixel, (10, 200, 30))) <= 8, pixel
                 got[(fmt, compression)] = data
-            assert got[("png", None)] == _png()  # png passes through untouched
+            assert got[("png", None)] == _png()  # png as generated
             assert len(got[("jpeg", 10)]) < len(got[("jpeg", None)])  # quality 10 < 100
             r = await client.post("/v1/images/generations",
                                   json={"prompt": "a", "output_format": "webp",
@@ -428,10 +438,7 @@ def test_bad_video_inputs_name_the_field(fields, param, encoding):
                                       files={k: (None, v) for k, v in fields.items()})
             else:
                 r = await client.post("/v1/videos", data=fields)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == param and err["type"] == "invalid_request_error", err
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        _assert_invalid(r, param)
         assert engine.submitted == []
     run(main())
 

@@ -282,6 +282,26 @@ def test_worker_runs_a_batch_as_one_call_and_results_go_to_their_jobs(tiny_flux)
             assert min(others) > 5 * max(own, 0.5), (i, own, others)
 
 
+def test_worker_encodes_each_job_in_its_own_output_format(tiny_flux):
+    """One pipeline call, three jobs: each job's images come encoded once by the worker, in
+    that job's output_format (the server sends them as they are)."""
+    from PIL import Image
+
+    batch = [("p", "image", _job("a", seed=1, n=2).params),
+             ("j", "image", {**_job("b", seed=2).params, "output_format": "jpeg",
+                             "output_compression": 50}),
+             ("w", "image", {**_job("c", seed=3).params, "output_format": "webp"})]
+    calls, undo = _counting(tiny_flux)
+    try:
+        events = _run(tiny_flux, batch)
+    finally:
+        undo()
+    assert len(calls) == 1
+    done = {e[1]: e[2]["images"] for e in events if e[0] == "done"}
+    formats = {k: [Image.open(io.BytesIO(b)).format for b in v] for k, v in done.items()}
+    assert formats == {"p": ["PNG", "PNG"], "j": ["JPEG"], "w": ["WEBP"]}
+
+
 def test_a_bad_job_in_a_batch_fails_alone(tiny_flux):
     calls, undo = _counting(tiny_flux, fail_on="boom")
     try:
