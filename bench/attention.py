@@ -197,9 +197,10 @@ def _make_inputs(shape: Shape, dtype, layout: str, seed: int, inputs: str = "ran
                  device: str = "cuda"):
     """``(q, k, v)`` of ``shape`` in ``layout``, ``dtype``, on ``device``, from ``seed``.
 
-    ``inputs="dit"``: :func:`~omni_kernels.attention.quantized.reference.dit_like_qkv`, q from one
-    call and k, v from another (Sq may differ from Skv). Real DiT activations change both the
-    quantized kernels' error and, on a power-capped GPU, the clock (more bits toggle).
+    ``inputs="dit"``: :func:`~omni_kernels.attention.quantized.reference.dit_like_qkv`, one call
+    for self-attention; when Sq differs from Skv (cross-attention), q from one call and k, v from
+    another. Real DiT activations change both the quantized kernels' error and, on a
+    power-capped GPU, the clock (more bits toggle).
     """
     if inputs not in INPUTS:
         raise ValueError(f"inputs must be one of {sorted(INPUTS)}; got {inputs!r}")
@@ -215,8 +216,9 @@ def _make_inputs(shape: Shape, dtype, layout: str, seed: int, inputs: str = "ran
     if inputs == "dit":
         from omni_kernels.attention.quantized.reference import dit_like_qkv
 
-        q, _, _ = dit_like_qkv(gen, dims(shape.seq_q), dtype, device)
-        _, k, v = dit_like_qkv(gen, dims(shape.seq_kv), dtype, device)
+        q, k, v = dit_like_qkv(gen, dims(shape.seq_kv), dtype, device)
+        if shape.seq_q != shape.seq_kv:
+            q = dit_like_qkv(gen, dims(shape.seq_q), dtype, device)[0]
         return to_layout(q), to_layout(k), to_layout(v)
 
     def one(seq):

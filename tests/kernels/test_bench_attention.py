@@ -147,6 +147,12 @@ def test_dit_inputs_have_the_outliers_and_randn_inputs_are_unchanged(bench):
     assert channel_mean.sort().values[:-4].max().item() < 1.5
     rms = q.pow(2).mean(dim=(0, 1, 2)).sqrt()
     assert (rms > 2.5).sum().item() == 3, "Q's three outlier channels"
+    # self-attention: q, k, v from one call, the same outliers
+    square = bench.Shape("sq", "a test shape", batch=1, heads=2, seq_q=80, seq_kv=80, head_dim=64)
+    q2, k2, v2 = bench._make_inputs(square, torch.float32, "bhsd", 3, "dit", device="cpu")
+    assert q2.shape == k2.shape == v2.shape == (1, 2, 80, 64)
+    assert (k2.mean(dim=(0, 1, 2)).abs() > 5).sum().item() == 4
+    assert (q2.pow(2).mean(dim=(0, 1, 2)).sqrt() > 2.5).sum().item() == 3
     with pytest.raises(ValueError, match=r"inputs must be one of \['dit', 'randn'\]; got 'gauss'"):
         bench._make_inputs(shape, torch.float32, "bhsd", 3, "gauss", device="cpu")
     assert bench.parse_args(["--inputs", "dit"]).inputs == "dit"
