@@ -24,7 +24,7 @@ shape with the constraint it violates; the run goes on.
   activations (``reference.dit_like_qkv``: outlier channels in Q and K, a K bias): on randn the
   FP8 kernels sit at FP8's floor for zero-mean V (~4e-2 rel err), on DiT-like inputs they show
   their real error; a power-capped GPU also clocks lower on them. Output files get ``-dit``.
-* GPU clock and power: ``nvidia-smi`` samples (``_gpu_telemetry.py``) while each row is timed,
+* GPU clock and power: ``nvidia-smi`` samples (``gpu_telemetry.py``) while each row is timed,
   for rows timed long enough (the video shapes): an H200 at its 700 W cap lowers the clock, and
   there a speed ratio between two capped kernels is a ratio of their energy per unit of work.
 
@@ -65,12 +65,13 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
-from _gpu_telemetry import GpuTelemetry  # noqa: E402
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness, gpu_telemetry
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import gpu_telemetry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
             if ref is not None:
                 row["rel_err"] = _relative_error(out, ref)
             del out
-            with GpuTelemetry(q.device) as telemetry:
+            with gpu_telemetry.GpuTelemetry(q.device) as telemetry:
                 ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
             row["median_ms"] = ms
             gpu = telemetry.summary()
@@ -343,7 +344,7 @@ _PEER_DISTRIBUTIONS = ("triton", "diffusers", "flash-attn", "flash-attn-3", "fla
 
 
 def _environment() -> dict:
-    return base_environment(_PEER_DISTRIBUTIONS)
+    return harness.base_environment(_PEER_DISTRIBUTIONS)
 
 
 def _cell(row) -> str:
@@ -539,7 +540,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/attention.py")
+    refusal = harness.gpu_refusal("bench/attention.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
     crossovers = lossy_crossovers(shapes, rows, lossy_names) if args.lossy_sweep else {}
     kind = ("attention-lossy-sweep" if args.lossy_sweep else "attention") + (
         "" if args.inputs == "randn" else f"-{args.inputs}")
-    stem = f"{kind}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"{kind}_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.write_auto_table:
         path = args.auto_table_path

@@ -30,13 +30,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
-
-from omni_kernels.attention.triton_flash import (  # noqa: E402
+from omni_kernels.attention.triton_flash import (
     AttentionConfig,
     default_config,
     flash_attention_forward,

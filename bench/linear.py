@@ -85,11 +85,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _environment import base_environment, device_slug, gpu_refusal, host_us, padded_us  # noqa: E402  (bench/ is on sys.path)
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -316,8 +317,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
                 row["round_medians_us"] = [_bench(call)]
                 # do_bench's figure includes host time when a call's launches outlast its kernels
                 # (a shared machine's slow host): the padded GPU time separates the two.
-                row["host_us"] = host_us(call)
-                row["padded_us"] = padded_us(call, row["host_us"])
+                row["host_us"] = harness.host_us(call)
+                row["padded_us"] = harness.padded_us(call, row["host_us"])
             row["status"] = "ok"
             timed_calls.append((row, call, is_layer))
         except _Unavailable as exc:
@@ -650,12 +651,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/linear.py")
+    refusal = harness.gpu_refusal("bench/linear.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
     budget = _Budget(args.budget_s, args.hard_budget_s)
-    env = base_environment(("triton", "diffusers", "torchao"))
+    env = harness.base_environment(("triton", "diffusers", "torchao"))
     capability = torch.cuda.get_device_capability()
     variants = ["bf16"] + [v for v in args.variants if v != "bf16"]
     if capability < (8, 9):
@@ -688,7 +689,7 @@ def main(argv=None) -> int:
     env["cublaslt_plans"] = fp8_gemm_plans()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"linear_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"linear_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, linear=linear_rows, transformer_step=step_rows), indent=2,
                    default=str) + "\n"

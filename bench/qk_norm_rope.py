@@ -51,12 +51,13 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
     # Run from a source checkout without installing the package.
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ class _Unavailable(Exception):
 
 
 def _environment() -> dict:
-    env = base_environment(("triton", "diffusers"))
+    env = harness.base_environment(("triton", "diffusers"))
     env["triton"] = env["packages"]["triton"]
     env["diffusers"] = env["packages"]["diffusers"]
     return env
@@ -495,7 +496,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/qk_norm_rope.py")
+    refusal = harness.gpu_refusal("bench/qk_norm_rope.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -524,7 +525,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"qk_norm_rope_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"qk_norm_rope_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     shape_info = [dict(vars(s).items()) for s in shapes]
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, dtype=args.dtype, shapes=shape_info, results=rows),
