@@ -66,10 +66,12 @@ from pathlib import Path
 import torch
 
 if __package__:  # imported as bench.<script> (the tests)
-    from bench import harness, gpu_telemetry
+    from bench import gpu_telemetry, harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
-    import harness
     import gpu_telemetry
+    import harness
+    import shapes as models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,21 +91,20 @@ class Shape:
         return 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
 
 
+def _self_attention(model: models.Model) -> Shape:
+    return Shape(model.name, model.note, 1, model.heads, model.tokens, model.tokens, model.head_dim)
+
+
+_WAN = models.WAN_480P
 SHAPES = {
-    "flux": Shape("flux-1024", "Flux.1 1024x1024: 4096 image + 512 text tokens, 24 heads x 128",
-                  1, 24, 4608, 4608, 128),
-    "sd35": Shape("sd3.5-1024", "SD3.5 Large 1024x1024: 4096 image + 333 text tokens, 38 heads x 64",
-                  1, 38, 4429, 4429, 64),
-    "qwen": Shape("qwen-image-1328", "Qwen-Image 1328x1328: 6889 image + 512 text tokens, 24 heads x 128",
-                  1, 24, 7401, 7401, 128),
-    "wan480": Shape("wan2.1-14b-480p", "Wan2.1-14B 480p 81 frames: 32760 tokens, 40 heads x 128",
-                    1, 40, 32760, 32760, 128),
-    "wan720": Shape("wan2.1-14b-720p", "Wan2.1-14B 720p 81 frames: 75600 tokens, 40 heads x 128",
-                    1, 40, 75600, 75600, 128),
-    "wancross": Shape("wan2.1-14b-cross", "Wan2.1-14B 480p cross-attention: 32760 queries x 512 text keys",
-                      1, 40, 32760, 512, 128),
-    "hunyuan": Shape("hunyuanvideo-720p", "HunyuanVideo 720p 129 frames: 119040 tokens, 24 heads x 128",
-                     1, 24, 119040, 119040, 128),
+    "flux": _self_attention(models.FLUX),
+    "sd35": _self_attention(models.SD35),
+    "qwen": _self_attention(models.QWEN_IMAGE),
+    "wan480": _self_attention(_WAN),
+    "wan720": _self_attention(models.WAN_720P),
+    "wancross": Shape("wan2.1-14b-cross", f"Wan2.1-14B 480p cross-attention: {_WAN.tokens} queries x "
+                      f"{models.TEXT_TOKENS} text keys", 1, _WAN.heads, _WAN.tokens, models.TEXT_TOKENS, _WAN.head_dim),
+    "hunyuan": _self_attention(models.HUNYUAN_720P),
 }
 
 DEFAULT_BACKENDS = (

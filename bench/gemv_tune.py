@@ -58,8 +58,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 
 
@@ -73,8 +75,10 @@ class Shape:
 
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-adaln-double", 3072, 18432, "Flux.1 transformer_blocks.*.norm1(_context).linear"),
-        Shape("flux-adaln-single", 3072, 9216, "Flux.1 single_transformer_blocks.*.norm.linear"),
+        Shape("flux-adaln-double", models.FLUX.width, models.FLUX_ADALN["double"],
+              "Flux.1 transformer_blocks.*.norm1(_context).linear"),
+        Shape("flux-adaln-single", models.FLUX.width, models.FLUX_ADALN["single"],
+              "Flux.1 single_transformer_blocks.*.norm.linear"),
         Shape("tiny", 256, 96, "smoke test"),
     )
 }

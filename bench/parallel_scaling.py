@@ -67,9 +67,11 @@ import torch.distributed as dist
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness, pipeline
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
     import pipeline
+    import shapes as models
 
 
 #: bench/pipeline.py's models plus the sizes issue 11 scales: Flux at 2048x2048 and Wan at 720p
@@ -85,7 +87,7 @@ SCALING_MODELS = {
         pipeline.MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
         description="Wan2.1-T2V-14B shape, 720x1280, 81 frames: 75,600 video tokens, 40 heads x 128, "
                     "40 blocks, 512 text tokens, CFG (2 forwards / step)",
-        warmup=1, iters=3, attention=(1, 40, 75600, 75600, 128),
+        warmup=1, iters=3, attention=models.WAN_720P.self_attention(),
         sizes=dict(frames=21, height=90, width=160, text=512),
     ),
 }

@@ -107,8 +107,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
@@ -181,7 +183,7 @@ MODELS = {
                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                     pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
         forwards_per_step=1, warmup=3, iters=10,
-        attention=(1, 24, 4608, 4608, 128),
+        attention=models.FLUX.self_attention(),
         sizes=dict(side=64, text=512),  # 1024 px / 8 (VAE) / 2 (2x2 packing)
     ),
     "wan": ModelSpec(
@@ -195,7 +197,7 @@ MODELS = {
                     num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                     rope_max_seq_len=1024),
         forwards_per_step=2, warmup=1, iters=3,
-        attention=(1, 40, 32760, 32760, 128),
+        attention=models.WAN_480P.self_attention(),
         sizes=dict(frames=21, height=60, width=104, text=512),
     ),
 }

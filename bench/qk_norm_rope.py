@@ -53,8 +53,10 @@ import torch
 
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
     # Run from a source checkout without installing the package.
@@ -78,17 +80,17 @@ class Shape:
 SHAPES = {
     "flux": Shape(
         "flux-1024", "Flux.1 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, per-head norm",
-        1, 4608, 24, 128, norm_across_heads=False,
+        1, models.FLUX.tokens, models.FLUX.heads, models.FLUX.head_dim, norm_across_heads=False,
     ),
     "wan": Shape(
         "wan2.1-14b-720p-81f",
         "Wan2.1 14B 1280x720, 81 frames: 21x45x80 latent tokens, 40 heads x 128, norm over H*D",
-        1, 75600, 40, 128, norm_across_heads=True,
+        1, models.WAN_720P.tokens, models.WAN_720P.heads, models.WAN_720P.head_dim, norm_across_heads=True,
     ),
     "qwen-image": Shape(
         "qwen-image-1328",
         "Qwen-Image 1328x1328: 83x83 image + 512 text tokens, 24 heads x 128, per-head norm",
-        1, 7401, 24, 128, norm_across_heads=False,
+        1, models.QWEN_IMAGE.tokens, models.QWEN_IMAGE.heads, models.QWEN_IMAGE.head_dim, norm_across_heads=False,
     ),
 }
 

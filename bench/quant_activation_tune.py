@@ -40,8 +40,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 
 
@@ -54,12 +56,14 @@ class Shape:
     note: str
 
 
+_FLUX, _WAN = models.FLUX, models.WAN_480P
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-single-proj-out", 4608, 3072, 12288, "Flux.1 1024^2 single block: cat(attention, GELU(mlp))"),
-        Shape("flux-ff-down", 4096, 0, 12288, "Flux.1 1024^2 image-stream MLP down projection"),
-        Shape("flux-ff-context-down", 512, 0, 12288, "Flux.1 text-stream MLP down projection"),
-        Shape("wan14b-ffn-down", 32760, 0, 13824, "Wan2.1-14B 480p 81 frames, FFN down projection"),
+        Shape("flux-single-proj-out", _FLUX.tokens, _FLUX.width, _FLUX.ffn,
+              "Flux.1 1024^2 single block: cat(attention, GELU(mlp))"),
+        Shape("flux-ff-down", _FLUX.tokens - models.TEXT_TOKENS, 0, _FLUX.ffn, "Flux.1 1024^2 image-stream MLP down projection"),
+        Shape("flux-ff-context-down", models.TEXT_TOKENS, 0, _FLUX.ffn, "Flux.1 text-stream MLP down projection"),
+        Shape("wan14b-ffn-down", _WAN.tokens, 0, _WAN.ffn, "Wan2.1-14B 480p 81 frames, FFN down projection"),
         Shape("tiny", 37, 24, 200, "smoke test"),
     )
 }

@@ -35,8 +35,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 
 
@@ -48,13 +50,14 @@ class Shape:
     note: str
 
 
+_FLUX, _WAN = models.FLUX, models.WAN_720P
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-3072", 4608, 3072, "Flux.1 1024^2: attention projections and MLP up input"),
-        Shape("flux-12288", 4608, 12288, "Flux.1 1024^2: MLP down input"),
-        Shape("flux-15360", 4608, 15360, "Flux.1 1024^2: single blocks' proj_out input"),
-        Shape("wan14b-5120", 75600, 5120, "Wan2.1-14B 720p 81 frames: attention projections"),
-        Shape("wan14b-13824", 75600, 13824, "Wan2.1-14B 720p 81 frames: FFN down input"),
+        Shape("flux-3072", _FLUX.tokens, _FLUX.width, "Flux.1 1024^2: attention projections and MLP up input"),
+        Shape("flux-12288", _FLUX.tokens, _FLUX.ffn, "Flux.1 1024^2: MLP down input"),
+        Shape("flux-15360", _FLUX.tokens, models.FLUX_SINGLE_PROJ_OUT_IN, "Flux.1 1024^2: single blocks' proj_out input"),
+        Shape("wan14b-5120", _WAN.tokens, _WAN.width, "Wan2.1-14B 720p 81 frames: attention projections"),
+        Shape("wan14b-13824", _WAN.tokens, _WAN.ffn, "Wan2.1-14B 720p 81 frames: FFN down input"),
         Shape("tiny", 37, 200, "smoke test"),
     )
 }

@@ -41,8 +41,10 @@ import torch
 
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import shapes as models
 
 import triton
 
@@ -64,10 +66,10 @@ from omni_kernels.attention.quantized.reference import dit_like_qkv
 
 # name: (B, H, S, D)
 SHAPES = {
-    "flux": (1, 24, 4608, 128),
-    "wan720": (1, 40, 75600, 128),
-    "hunyuan": (1, 24, 119040, 128),
-    "wan480": (1, 40, 32760, 128),
+    "flux": models.FLUX.bhsd(),
+    "wan720": models.WAN_720P.bhsd(),
+    "hunyuan": models.HUNYUAN_720P.bhsd(),
+    "wan480": models.WAN_480P.bhsd(),
 }
 DEFAULT_SHAPES = ("flux", "wan720", "hunyuan")
 
