@@ -52,7 +52,6 @@ allowed skips a backend below its crossover); the lossless ranking is kept.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -276,16 +275,10 @@ def _bench_args(shape: Shape) -> tuple[float, float]:
 def _dispatch_us(name, q, k, v, layout, calls=200) -> float:
     from omni_kernels.attention import registry
 
-    registry._plan(q, k, v, name, layout, False, None, None, False, None)
-    start = time.perf_counter()
-    for _ in range(calls):
-        registry._plan(q, k, v, name, layout, False, None, None, False, None)
-    return (time.perf_counter() - start) / calls * 1e6
+    return harness.host_us(lambda: registry._plan(q, k, v, name, layout, False, None, None, False, None), calls)
 
 
 def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
-    import triton
-
     from omni_kernels.attention import attention, select_backend
 
     q, k, v = _make_inputs(shape, dtype, layout, args.seed, args.inputs)
@@ -312,7 +305,7 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
                 row["rel_err"] = _relative_error(out, ref)
             del out
             with gpu_telemetry.GpuTelemetry(q.device) as telemetry:
-                ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                ms = harness.do_bench_us(fn, warmup=warmup, rep=rep) / 1e3
             row["median_ms"] = ms
             gpu = telemetry.summary()
             if gpu is not None:
@@ -605,8 +598,7 @@ def main(argv=None) -> int:
     crossovers = lossy_crossovers(shapes, rows, lossy_names) if args.lossy_sweep else {}
     kind = ("attention-lossy-sweep" if args.lossy_sweep else "attention") + (
         "" if args.inputs == "randn" else f"-{args.inputs}")
-    stem = f"{kind}_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = harness.record_stem(kind, env["device"])
     if args.write_auto_table:
         path = args.auto_table_path
         table = json.loads(path.read_text()) if path.exists() else {"format": 1, "archs": {}}
@@ -616,22 +608,17 @@ def main(argv=None) -> int:
         else:
             table_entry = _table_entry(env, shapes, rows, args.table_include_lossy, previous)
         table["archs"][env["arch"]] = table_entry
-        text = json.dumps(table, indent=2) + "\n"
-        path.write_text(text)
-        (args.out_dir / f"auto_table_{stem}.json").write_text(text)
+        path.write_text(json.dumps(table, indent=2) + "\n")
+        harness.write_record(args.out_dir, f"auto_table_{stem}", table, None)
         print(f"wrote {path} ({env['arch']})", file=sys.stderr)
 
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, shapes=[dict(asdict(s), flops=s.flops) for s in shapes],
-             unavailable=unavailable, results=rows, auto_table_entry=table_entry,
-             lossy_crossovers=crossovers or None),
-        indent=2, default=str) + "\n")
     if args.lossy_sweep:
         md = _sweep_markdown(env, shapes, backends, rows, unavailable, crossovers, table_entry)
     else:
         md = _markdown(env, shapes, backends, rows, unavailable, table_entry)
-    (args.out_dir / f"{stem}.md").write_text(md + "\n")
-    print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
+    harness.write_record(args.out_dir, stem, dict(
+        environment=env, shapes=[dict(asdict(s), flops=s.flops) for s in shapes], unavailable=unavailable,
+        results=rows, auto_table_entry=table_entry, lossy_crossovers=crossovers or None), md)
     print(md)
     failed = [r for r in rows if str(r.get("status", "")).startswith("error")]
     return 1 if failed else 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,8 +25,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import attention as attention_bench
+    from bench import harness
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import attention as attention_bench
+    import harness
 
 
 
@@ -53,13 +54,7 @@ def main(argv=None) -> int:
 
     shape = attention_bench.SHAPES[args.shape]
     q, k, v = attention_bench._make_inputs(shape, attention_bench.DTYPES[args.dtype], args.layout, seed=0)
-    times = []
-    for _ in range(args.calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        attention(q, k, v, backend=args.backend, layout=args.layout)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times, _ = harness.wall_times_s(lambda: attention(q, k, v, backend=args.backend, layout=args.layout), args.calls)
     warm = sorted(times[1:])
     median_s = warm[len(warm) // 2]
     print(f"{args.backend} {shape.name}: {args.calls} calls, median of warm calls {median_s * 1e3:.3f} ms "

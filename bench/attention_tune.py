@@ -21,7 +21,6 @@ flux_bshd), ``--configs 0,3,5`` (indices into CONFIGS), ``--no-check``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,8 +40,10 @@ from omni_kernels.attention.triton_flash import (
 )
 
 if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
     from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
     import shapes as models
 
 # name: (B, H, Sq, Skv, D, causal, layout)
@@ -150,7 +151,8 @@ def rel_err(out, ref, layout):
 
 
 def bench(fn, warmup_ms, rep_ms):
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    """Median ms of ``fn``."""
+    return harness.do_bench_us(fn, warmup=warmup_ms, rep=rep_ms) / 1e3
 
 
 def main():
@@ -171,10 +173,8 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     pool = EXPLORE_CONFIGS if args.explore else CONFIGS
     configs = pool if args.configs == "all" else [pool[int(i)] for i in args.configs.split(",")]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / "attention_tune.json"
     props = torch.cuda.get_device_properties(device)
+    stem = harness.record_stem("attention_tune", props.name)
     report = {
         "gpu": props.name,
         "capability": list(torch.cuda.get_device_capability(device)),
@@ -185,8 +185,8 @@ def main():
     }
     print(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}")
 
-    def save():
-        out_file.write_text(json.dumps(report, indent=1))
+    def save(quiet=True):
+        harness.write_record(Path(args.out), stem, report, None, quiet=quiet)
 
     t_start = time.time()
     summary = []
@@ -277,8 +277,7 @@ def main():
     for name, impl, tf, ratio in summary:
         print(f"{name:12s} {impl:34s} {tf:8.1f} TFLOP/s  {ratio or 0:.3f}x cuDNN")
     report["elapsed_s"] = time.time() - t_start
-    save()
-    print(f"\nwrote {out_file} ({report['elapsed_s']:.0f} s)")
+    save(quiet=False)
 
 
 def from_bhsd_like(o, layout):

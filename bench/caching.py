@@ -35,8 +35,6 @@ from wall times where 24% of the blocks were skipped); the load average is recor
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -271,12 +269,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     environment.update(command=" ".join([sys.executable, "bench/caching.py", *argv]),
                        argv=["bench/caching.py", *argv])
     data = dict(environment=environment, results=rows)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     name = "caching" if args.kind == "image" else "caching-video"
-    stem = args.out_dir / f"{name}_cpu_{_dt.date.today():%Y%m%d}"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     text = markdown(data)
-    stem.with_suffix(".md").write_text(text)
+    harness.write_record(args.out_dir, harness.record_stem(name, "cpu"), data, text)
     print(text)
     return 0
 

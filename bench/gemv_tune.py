@@ -323,11 +323,6 @@ def compare_with_default(out: torch.Tensor, default: torch.Tensor) -> dict:
 # --------------------------------------------------------------------------- timing
 
 
-def _synchronize() -> None:
-    if torch.device(DEVICE).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
@@ -337,15 +332,7 @@ def _flush_us() -> float:
     import triton
 
     cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        cache.zero_()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(harness.call_times_ms(cache.zero_, 10)) * 1e3
 
 
 def _compiled_kernels() -> dict[int, object]:
@@ -489,7 +476,7 @@ class CaseRun:
 
         with set_wrap_triton_enabled(False):
             out = launch(self.x, self.w_q, self.w_scale, self.bias, **options)
-        _synchronize()
+        harness.synchronize(torch.device(DEVICE))
         return out
 
     @staticmethod
@@ -674,12 +661,12 @@ def main(argv=None) -> int:
     grid = dict(coarse_plan=COARSE_PLAN, coarse_cap=args.coarse_cap, refine_top=args.refine_top,
                 refine_cap=args.refine_cap, sm_count=sm_count, rep_ms=args.rep_ms, seed=args.seed)
     table = markdown(env, rows, flush_us)
-    stem = harness.write_results(args.out_dir, f"gemv_tune{tag}", env, dict(
+    harness.write_results(args.out_dir, f"gemv_tune{tag}", env, dict(
         environment=env, grid=grid, flush_us=flush_us, elapsed_s=time.monotonic() - start,
         cases=[dict(shape=asdict(run.case.shape), weight=run.case.weight, m=run.case.rows) for run in runs],
         results=rows), table)
     print(table)
-    print(f"elapsed {time.monotonic() - start:.0f} s; wrote {stem}.{{json,md}}")
+    print(f"elapsed {time.monotonic() - start:.0f} s")
     differs = [r for r in rows if r["status"].startswith("differs")]
     return 1 if differs else 0
 

@@ -23,12 +23,9 @@ Output: ``<out-dir>/halo_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -52,12 +49,7 @@ WAN_720P_MAPS = [
 ]
 FRAMES_PER_CALL = 6
 RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
-
-
-def _bench_us(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3
+KERNEL_TIMING = dict(warmup=10, rep=50, return_mode="mean")  # do_bench's mean, in us
 
 
 def bench_kernels(dtype: torch.dtype) -> list[dict]:
@@ -83,7 +75,7 @@ def _bench_map(name: str, channels: int, height: int, width: int, dtype: torch.d
     pack_bytes = 4 * halo.numel() * esize
     copy_src = torch.empty(x.numel() + 2 * halo.numel(), device="cuda", dtype=dtype)
     copy_dst = torch.empty_like(copy_src)
-    copy_us = _bench_us(lambda: copy_dst.copy_(copy_src))
+    copy_us = harness.do_bench_us(lambda: copy_dst.copy_(copy_src), **KERNEL_TIMING)
     base = dict(map=name, shard=list(x.shape), dtype=str(dtype).replace("torch.", ""),
                 copy_us=round(copy_us, 2),
                 copy_tb_s=round(assemble_bytes / copy_us / 1e6, 3))
@@ -98,10 +90,10 @@ def _bench_map(name: str, channels: int, height: int, width: int, dtype: torch.d
                           hi_mode=HALO_ZERO, backend=backend)
             ok = torch.equal(out[:, :, 1:-1], x) and torch.equal(out[:, :, :1], halo) and \
                 bool((out[:, :, -1:] == 0).all())
-            a_us = _bench_us(lambda: halo_assemble(
+            a_us = harness.do_bench_us(lambda: halo_assemble(
                 x, halo, halo, out, lo_rows=1, hi_rows=1, lo_mode=HALO_RECV,
-                hi_mode=HALO_ZERO, backend=backend))
-            p_us = _bench_us(lambda: halo_pack(x, send_lo, send_hi, backend=backend))
+                hi_mode=HALO_ZERO, backend=backend), **KERNEL_TIMING)
+            p_us = harness.do_bench_us(lambda: halo_pack(x, send_lo, send_hi, backend=backend), **KERNEL_TIMING)
             tb_s = assemble_bytes / a_us / 1e6
             rows.append(dict(
                 base, backend=backend, status="ok" if ok else "WRONG RESULT",
@@ -126,16 +118,9 @@ def _wan_vae(dtype):
 
 
 def _time_decode(vae, z, repeats: int) -> tuple[float, float, torch.Tensor]:
-    times = []
-    out = None
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(repeats + 1):  # the first call warms up (and allocates the buffers)
-        del out
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = vae.decode(z).sample
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    # the first call warms up (and allocates the buffers)
+    times, out = harness.wall_times_s(lambda: vae.decode(z).sample, repeats + 1)
     peak = torch.cuda.max_memory_allocated() / 2**30
     return statistics.median(times[1:]), peak, out
 
@@ -220,14 +205,9 @@ def main() -> int:
     dtype = torch.bfloat16
     kernel_rows = bench_kernels(dtype)
     decode_rows = [] if args.skip_decode else bench_decode(dtype, args.frames, args.repeats)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"halo_{harness.device_slug(env['device'], empty='cpu')}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, kernels=kernel_rows, decode=decode_rows), indent=2,
-        default=str) + "\n")
     table = _markdown(env, kernel_rows, decode_rows)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
-    print(f"wrote {args.out_dir / stem}.json and .md", file=sys.stderr)
+    harness.write_results(args.out_dir, "halo", env, dict(environment=env, kernels=kernel_rows, decode=decode_rows),
+                          table)
     print(table)
     failed = any(r["status"] not in ("ok",) and not r["status"].startswith("unavailable")
                  for r in kernel_rows + decode_rows)

@@ -1,4 +1,5 @@
-"""What every benchmark records beside its numbers: commit, device, versions, command."""
+"""What every benchmark shares: where its record goes, what it records beside its numbers
+(commit, device, versions, command), how it times a call, and how it writes the JSON + markdown."""
 
 from __future__ import annotations
 
@@ -85,16 +86,83 @@ def device_slug(name: str, empty: str = "unknown-device") -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or empty
 
 
-def median_us(fn, *, warmup: int = 25, rep: int = 200) -> float:
-    """``triton.testing.do_bench``'s median of ``fn`` in microseconds (L2 flushed before each
-    call; ``warmup`` and ``rep`` in ms), launched outside ``torch.library.wrap_triton``'s tracing
+def do_bench_us(fn, *, warmup: float = 25, rep: float = 200, return_mode: str = "median") -> float:
+    """``triton.testing.do_bench`` of ``fn`` in microseconds (L2 flushed before each call;
+    ``warmup`` and ``rep`` in ms), launched outside ``torch.library.wrap_triton``'s tracing
     path, as eager calls of omni's ops and Inductor's generated code launch their kernels
     (calling a wrapped launcher directly otherwise goes through a slow higher-order op)."""
     import triton
     from torch._library.triton import set_wrap_triton_enabled
 
     with set_wrap_triton_enabled(False):
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode=return_mode) * 1e3
+
+
+def median_us(fn, *, warmup: float = 25, rep: float = 200) -> float:
+    """:func:`do_bench_us`'s median."""
+    return do_bench_us(fn, warmup=warmup, rep=rep)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for ``device``'s queued work (the current GPU's when None; a no-op on the CPU)."""
+    if device is None or device.type == "cuda":
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+
+
+def call_times_ms(fn, calls: int, device: torch.device | None = None) -> list[float]:
+    """Time of each of ``calls`` calls of ``fn`` in ms, each waited for: CUDA events on a GPU
+    (``device`` None: the current one), the host clock on the CPU."""
+    cuda = device is None or device.type == "cuda"
+    synchronize(device)
+    times = []
+    for _ in range(calls):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def loop_ms(fn, calls: int, device: torch.device | None = None) -> float:
+    """Time per call of ``calls`` back-to-back calls of ``fn`` in ms (each call's launches overlap
+    the previous call's kernels, as in a denoising loop): CUDA events on a GPU, the host clock on
+    the CPU."""
+    cuda = device is None or device.type == "cuda"
+    synchronize(device)
+    started = time.perf_counter()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    for _ in range(calls):
+        fn()
+    if cuda:
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    return (time.perf_counter() - started) * 1e3 / calls
+
+
+def wall_times_s(fn, calls: int, device: torch.device | None = None) -> tuple[list[float], object]:
+    """Host wall time of each of ``calls`` calls of ``fn`` in seconds, the device synchronized
+    before and after each (launch and host work included), and the last call's result. The
+    previous result is dropped before each call, so the peak memory is one call's."""
+    times, result = [], None
+    for _ in range(calls):
+        result = None
+        synchronize(device)
+        started = time.perf_counter()
+        result = fn()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times, result
 
 
 def host_us(fn, calls: int = 20) -> float:
@@ -139,16 +207,32 @@ def padded_us(fn, host_time_us: float, reps: int = 50) -> float | None:
     return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
 
 
-def write_results(out_dir: Path, name: str, env: dict, payload: dict, table: str) -> Path:
-    """Write ``payload`` as ``{name}_{device}_{UTC date}.json`` and ``table`` as the ``.md``
-    beside it in ``out_dir`` (created); returns the path without suffix."""
+def record_stem(name: str, device: str) -> str:
+    """``{name}_{device}_{UTC date}``, the name bench/results_index.py reads; ``device`` is a
+    device name (``"NVIDIA H200"`` -> ``nvidia-h200``), or ``"none"`` / ``"cpu"`` -> ``cpu``."""
+    slug = "cpu" if device in ("", "none", "cpu") else device_slug(device)
+    return f"{name}_{slug}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+
+
+def write_record(out_dir: Path, stem: str, payload: dict, markdown: str | None, *, quiet: bool = False) -> Path:
+    """``payload`` as ``out_dir/{stem}.json`` and ``markdown`` as the ``.md`` beside it (none when
+    ``markdown`` is None); ``out_dir`` is created; says so on stderr unless ``quiet`` (a record
+    rewritten after every row). Returns the path without suffix."""
     import json
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{name}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    stem.with_suffix(".md").write_text(table + "\n")
-    return stem
+    path = out_dir / stem
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    if markdown is not None:
+        path.with_suffix(".md").write_text(markdown.rstrip("\n") + "\n")
+    if not quiet:
+        print(f"wrote {path}.json" + ("" if markdown is None else " and .md"), file=sys.stderr)
+    return path
+
+
+def write_results(out_dir: Path, name: str, env: dict, payload: dict, table: str) -> Path:
+    """:func:`write_record` as ``{name}_{env's device}_{UTC date}``."""
+    return write_record(out_dir, record_stem(name, env["device"]), payload, table)
 
 
 def init_torchrun_process_group(cpu: bool, timeout: _dt.timedelta | None = None) -> torch.device:

@@ -70,10 +70,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import functools
 import gc
-import json
 import statistics
 import sys
 import time
@@ -203,9 +201,8 @@ class _Budget:
 
 
 def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
+    """Median microseconds of ``fn`` (the timer the CPU tests replace)."""
+    return harness.median_us(fn, warmup=10, rep=100)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -409,22 +406,20 @@ def _flux_inputs(height=64, width=64, text=512, seed=1):
 
 def _time_steps(model, inputs, steps: int) -> tuple[float, float, torch.Tensor]:
     """``(median ms, peak GiB during a step, output)``."""
+    outputs = []
+
+    def step():
+        outputs[:] = [model(**inputs)[0]]
+
     with torch.no_grad():
-        out = model(**inputs)[0]
-        out = model(**inputs)[0]
+        step()
+        step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = model(**inputs)[0]
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = harness.call_times_ms(step, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     times.sort()
-    return times[len(times) // 2], peak, out
+    return times[len(times) // 2], peak, outputs[0]
 
 
 def _compile_and_warm(model, inputs) -> str:
@@ -692,15 +687,9 @@ def main(argv=None) -> int:
 
     env["cublaslt_plans"] = fp8_gemm_plans()
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"linear_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps(dict(environment=env, linear=linear_rows, transformer_step=step_rows), indent=2,
-                   default=str) + "\n"
-    )
     table = _markdown(env, linear_rows, step_rows)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
-    print(f"wrote {args.out_dir / stem}.json and .md ({budget.elapsed():.0f} s)", file=sys.stderr)
+    harness.write_results(args.out_dir, "linear", env,
+                          dict(environment=env, linear=linear_rows, transformer_step=step_rows), table)
     print(table)
     ok = all(
         r.get("status") == "ok" or str(r.get("status", "")).startswith(("unavailable", "skipped"))

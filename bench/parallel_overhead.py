@@ -24,7 +24,6 @@ equal (tests/parallel/test_degree_one_overhead.py keeps that on CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -249,11 +248,8 @@ def main() -> int:
               f"{row['sp_host_cpu_ms']:.2f} ms ({row['host_cpu_overhead_pct']:+.2f}%), max |diff| {diff:.2e}; "
               f"ops per forward {plain_ops}, sequence-parallel path differs in "
               f"{extra or 'none'}", flush=True)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     record = dict(benchmark="parallel_overhead", environment=harness.base_environment(), rows=rows,
                   args=vars(args))
-    (out_dir / "parallel_overhead.json").write_text(json.dumps(record, indent=2))
     env = record["environment"]
     lines = [
         f"# Sequence-parallel code path at degree 1 vs plain ({env.get('device', device)})", "",
@@ -275,7 +271,7 @@ def main() -> int:
                      f"{r['overhead_pct']:+.2f}% | {r['noise_floor_pct']:+.2f}% | {r['plain_host_cpu_ms']:.2f} / "
                      f"{r['sp_host_cpu_ms']:.2f} | {r['max_abs_diff']:.1e} | {r['plain_ops'] == r['sp_ops']} |")
     lines += ["", "Target (issue 7): overhead <= 2%."]
-    (out_dir / "parallel_overhead.md").write_text("\n".join(lines) + "\n")
+    harness.write_results(Path(args.out_dir), "parallel_overhead", env, record, "\n".join(lines))
     dist.destroy_process_group()
     worst = max(r["overhead_pct"] for r in rows)
     return 0 if not cuda or worst <= 2.0 else 1

@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import inspect
-import json
 import os
 import sys
 from pathlib import Path
@@ -399,18 +397,15 @@ def main(argv=None) -> int:
 
     if rank == 0:
         env = harness.base_environment()
-        date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
-        slug = "cpu" if not cuda else harness.device_slug(torch.cuda.get_device_name(device))
         tags = ("-smoke" if args.smoke else "") + ("-compile" if args.compile else "") + (f"-{args.quant}" if args.quant else "")
-        stem = f"parallel_scaling_{spec.key}{tags}_x{world}_{slug}_{date}"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
+        stem = harness.record_stem(f"parallel_scaling_{spec.key}{tags}_x{world}",
+                                   torch.cuda.get_device_name(device) if cuda else "cpu")
         record = dict(benchmark="parallel_scaling", environment=env, model=spec.name, world_size=world,
                       baseline_ms=baselines.get("forward"), cfg_step_baseline_ms=baselines.get("cfg_step"),
                       baseline_forwards=baseline_forwards, cfg_scale=CFG_SCALE, rows=rows,
                       args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
-        (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2))
         md = _markdown(env, spec, world, baselines, baseline_forwards, rows, _stack_words(args))
-        (args.out_dir / f"{stem}.md").write_text(md)
+        harness.write_record(args.out_dir, stem, record, md)
         print(md)
     dist.destroy_process_group()
     return 0

@@ -90,9 +90,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import gc
-import json
 import os
 import statistics
 import sys
@@ -422,51 +420,18 @@ def forward_once(model, inputs):
     return out[0] if isinstance(out, (tuple, list)) else out.sample
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_variant(model, inputs, warmup: int, iters: int, device: torch.device) -> tuple[dict, torch.Tensor]:
-    synchronize(device)
+    harness.synchronize(device)
     start = time.perf_counter()
     out = forward_once(model, inputs)
-    synchronize(device)
+    harness.synchronize(device)
     first_s = time.perf_counter() - start
     for _ in range(warmup):
         forward_once(model, inputs)
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            forward_once(model, inputs)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            begin_s = time.perf_counter()
-            forward_once(model, inputs)
-            times.append((time.perf_counter() - begin_s) * 1e3)
+    times = harness.call_times_ms(lambda: forward_once(model, inputs), iters, device)
     # A denoising loop launches step n+1 while step n still runs on the GPU; the per-call figure
     # above waits for each forward and so also counts the host's launch latency once a forward.
-    synchronize(device)
-    loop_started = time.perf_counter()
-    if device.type == "cuda":
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        begin.record()
-    for _ in range(iters):
-        forward_once(model, inputs)
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        loop_ms = begin.elapsed_time(end) / iters
-    else:
-        loop_ms = (time.perf_counter() - loop_started) * 1e3 / iters
+    loop_ms = harness.loop_ms(lambda: forward_once(model, inputs), iters, device)
     return dict(first_call_s=round(first_s, 2), forward_ms=statistics.median(times),
                 forward_min_ms=min(times), forward_all_ms=[round(t, 3) for t in times],
                 loop_forward_ms=loop_ms), out
@@ -683,18 +648,15 @@ def main(argv=None) -> int:
     subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
     if args.smoke:
         subset += "-smoke"
-    stem = f"pipeline{subset}_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = harness.record_stem(f"pipeline{subset}", env["device"])
 
     def write_report(models_left: list[str]) -> str:
         # Written after every model: a run cut short (a time limit) keeps the models it finished.
         env["wall_s"] = round(time.perf_counter() - started, 1)
         env["models_not_run"] = models_left
-        (args.out_dir / f"{stem}.json").write_text(json.dumps(
-            dict(environment=env, models=infos, results=rows, targets=targets(rows)),
-            indent=2, default=str) + "\n")
         md = markdown(env, infos, rows)
-        (args.out_dir / f"{stem}.md").write_text(md + "\n")
+        harness.write_record(args.out_dir, stem, dict(environment=env, models=infos, results=rows,
+                                                      targets=targets(rows)), md)
         return md
 
     for index, key in enumerate(args.models):
@@ -708,7 +670,6 @@ def main(argv=None) -> int:
                              traceback=traceback.format_exc()[-3000:]))
             print(rows[-1]["traceback"], file=sys.stderr)
         md = write_report(list(args.models[index + 1:]))
-    print(f"wrote {args.out_dir / stem}.json and .md ({env['wall_s']} s)", file=sys.stderr)
     print(md)
     failed = [r for r in rows if str(r.get("status", "")).startswith("error")]
     return 1 if failed else 0

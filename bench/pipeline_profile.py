@@ -15,7 +15,6 @@ GPU waits for the CPU), and the ten longest kernels. Writes
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import re
@@ -55,16 +54,16 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
 
     for _ in range(warmup):
         pipeline.forward_once(model, inputs)
-    pipeline.synchronize(device)
+    harness.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         pipeline.forward_once(model, inputs)
-    pipeline.synchronize(device)
+    harness.synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3 / iters
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             pipeline.forward_once(model, inputs)
-        pipeline.synchronize(device)
+        harness.synchronize(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
@@ -140,12 +139,9 @@ def main(argv=None) -> int:
         print(variant, json.dumps(rows[variant])[:600], flush=True)
     env = harness.base_environment()
     env["command"] = " ".join(["python3", "bench/pipeline_profile.py", *(argv or sys.argv[1:])])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / (f"pipeline-profile-{args.model}_{harness.device_slug(env['device'])}_"
-                           f"{_dt.date.today():%Y%m%d}")
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, model=spec.name, rows=rows), indent=2))
     text = markdown(env, args.model, rows)
-    stem.with_suffix(".md").write_text(text)
+    harness.write_results(args.out_dir, f"pipeline-profile-{args.model}", env,
+                          dict(environment=env, model=spec.name, rows=rows), text)
     print(text)
     return 0
 

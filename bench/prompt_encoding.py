@@ -24,7 +24,6 @@ carried wheels), so this benchmark is CPU-only for now.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -162,16 +161,13 @@ def main(argv=None) -> int:
     env = harness.base_environment(("diffusers", "transformers"))
     env.update(model=dict(width=args.width, layers=args.layers, heads=args.heads),
                embeds_rel_err=rel_err, threads=torch.get_num_threads())
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"prompt_encoding_{env['arch']}_{time.strftime('%Y%m%d')}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, results=rows), indent=2))
     lines = ["| encoder | concurrent prompts | prompts/s | ms | vLLM requests |", "|---|---|---|---|---|"]
     for r in rows:
         req = "" if r["vllm_requests"] is None else f"{r['vllm_requests']:.1f}"
         lines.append(f"| {r['encoder']} | {r['concurrent']} | {r['prompts_per_s']:.1f} | "
                      f"{r['seconds'] * 1e3:.1f} | {req} |")
     lines.append(f"\nembeddings: relative error vLLM vs transformers {rel_err:.2e}; commit {env['git_commit']}")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    harness.write_results(args.out, "prompt_encoding", env, dict(environment=env, results=rows), "\n".join(lines))
     print("\n".join(lines))
     return 0
 

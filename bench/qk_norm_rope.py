@@ -41,8 +41,6 @@ error and the run goes on.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
 import sys
 import traceback
@@ -253,7 +251,6 @@ def _bytes_moved(shape: Shape, dtype, weight_numel: int) -> int:
 
 def _time_backend(fn, num_sets: int, loop_calls: int):
     """``(median us, loop us)`` of ``fn(set_index)``; see the module docstring."""
-    import triton.testing
 
     counter = [0]
 
@@ -261,18 +258,10 @@ def _time_backend(fn, num_sets: int, loop_calls: int):
         fn(counter[0] % num_sets)
         counter[0] += 1
 
-    median_ms = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
+    median_us = harness.median_us(call)
     for _ in range(3):
         call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(loop_calls):
-        call()
-    end.record()
-    end.synchronize()
-    loop_ms = start.elapsed_time(end) / loop_calls
-    return median_ms * 1e3, loop_ms * 1e3
+    return median_us, harness.loop_ms(call, loop_calls) * 1e3
 
 
 def _graph_time(fn, num_sets: int, calls: int = 24, replays: int = 5) -> float:
@@ -291,14 +280,7 @@ def _graph_time(fn, num_sets: int, calls: int = 24, replays: int = 5) -> float:
         for c in range(calls):
             fn(c % num_sets)  # outputs are dropped, so the graph's pool reuses them
     graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (calls * replays)
+    us = harness.loop_ms(graph.replay, replays) * 1e3 / calls
     del graph
     return us
 
@@ -526,16 +508,9 @@ def main(argv=None) -> int:
             print(rows[-1]["traceback"], file=sys.stderr)
         torch.cuda.empty_cache()
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"qk_norm_rope_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
-    shape_info = [dict(vars(s).items()) for s in shapes]
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps(dict(environment=env, dtype=args.dtype, shapes=shape_info, results=rows),
-                   indent=2, default=str) + "\n"
-    )
     table = _markdown(env, shapes, rows)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
-    print(f"wrote {args.out_dir / stem}.json and .md", file=sys.stderr)
+    harness.write_results(args.out_dir, "qk_norm_rope", env, dict(
+        environment=env, dtype=args.dtype, shapes=[dict(vars(s).items()) for s in shapes], results=rows), table)
     print(table)
     ok = all(r.get("status") == "ok" or str(r.get("status", "")).startswith("unavailable")
              for r in rows)

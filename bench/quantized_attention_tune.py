@@ -29,7 +29,6 @@ Options: ``--shapes flux,wan720,hunyuan`` (also wan480), ``--configs 0,2``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -127,18 +126,15 @@ def main():
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        sys.exit("quantized_attention_tune.py needs a CUDA GPU")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("unset TRITON_INTERPRET: the tuning must run compiled Triton kernels")
+    refusal = harness.gpu_refusal("bench/quantized_attention_tune.py")
+    if refusal:
+        sys.exit(refusal)
     device = torch.device("cuda")
     configs = CONFIGS if args.configs == "all" else [CONFIGS[int(i)] for i in args.configs.split(",")]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / "quantized_attention_tune.json"
     props = torch.cuda.get_device_properties(device)
     sage_reason = get_backend("sageattention").unavailable_reason(device)
     env = harness.base_environment(("triton", "sageattention"))
+    stem = harness.record_stem("quantized_attention_tune", env["device"])
     report = {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
               "torch": torch.__version__, "triton": triton.__version__,
               "sageattention": sage_reason or "available", "environment": env, "results": []}
@@ -162,9 +158,8 @@ def main():
     say(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}; "
         f"sageattention: {sage_reason or 'available'}")
 
-    def save():
-        out_file.write_text(json.dumps(report, indent=1))
-        out_file.with_suffix(".md").write_text("\n".join(md_lines + ["```", ""]))
+    def save(quiet=True):
+        harness.write_record(Path(args.out), stem, report, "\n".join(md_lines + ["```"]), quiet=quiet)
 
     start = time.time()
     summary = []
@@ -174,7 +169,7 @@ def main():
         gen = torch.Generator(device=device).manual_seed(1234)
         q, k, v = (torch.randn(b, h, s, d, generator=gen, device=device, dtype=torch.bfloat16)
                    for _ in range(3))
-        probe = triton.testing.do_bench(lambda: sdpa(q, k, v), warmup=5, rep=20, return_mode="median")
+        probe = harness.do_bench_us(lambda: sdpa(q, k, v), warmup=5, rep=20) / 1e3
         warm, rep = max(25.0, 2 * probe), max(100.0, 6 * probe)
         rows = []
 
@@ -190,7 +185,7 @@ def main():
             try:
                 fn()
                 torch.cuda.synchronize()
-                record(name, triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"), extra)
+                record(name, harness.do_bench_us(fn, warmup=warm, rep=rep) / 1e3, extra)
             except Exception as exc:  # a config that does not compile / fit, a missing package
                 record(name, None, {"error": f"{type(exc).__name__}: {exc}"[:300]})
                 traceback.print_exc(limit=2)
@@ -267,8 +262,7 @@ def main():
     for name, impl, tf, ratio in summary:
         say(f"{name:10s} {impl:34s} {tf:8.1f} TFLOP/s  {ratio or 0:.3f}x cuDNN")
     report["elapsed_s"] = time.time() - start
-    save()
-    print(f"\nwrote {out_file} and its .md ({report['elapsed_s']:.0f} s)")
+    save(quiet=False)
 
 
 if __name__ == "__main__":

@@ -221,8 +221,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     env = harness.base_environment(("diffusers", "fastapi", "uvicorn", "httpx", "av"))
     env["cpu_count"] = os.cpu_count()
     results = {}
@@ -239,11 +237,6 @@ def main(argv=None) -> int:
                  and lg["server_jobs_completed"] == lg["sent"] for lg in ledgers)
     summary = dict(batched_speedup=speedup, speedup_target=1.5, overhead_ms_p50=overhead,
                    overhead_target_ms=5.0, no_request_lost_or_duplicated=intact)
-    where = "cpu" if args.device == "cpu" else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
-    stem = out / f"serve_{where}_{time.strftime('%Y%m%d')}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, args=vars(args),
-                                                         summary=summary, results=results),
-                                                    indent=2))
     lines = [
         f"# omni-serve on {'the CPU' if args.device == 'cpu' else env['device']}: embedded model "
         "over loopback",
@@ -278,7 +271,9 @@ def main(argv=None) -> int:
         "`-dirty` in the commit means tracked files outside this benchmark had uncommitted "
         "changes in the working tree.",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem = harness.record_stem("serve", "cpu" if args.device == "cpu" else env["device"])
+    harness.write_record(Path(args.out_dir), stem, dict(environment=env, args=vars(args), summary=summary,
+                                                        results=results), "\n".join(lines))
     print("\n".join(lines))
     return 0 if intact else 1
 

@@ -36,11 +36,11 @@ from dataclasses import replace
 import torch
 
 if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
     from bench import quantized_attention_tune as tune
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
     import quantized_attention_tune as tune
-
-import triton
 
 from omni_kernels.attention.quantized.attention_kernel import (
     CUDA_SM90_CONFIG,
@@ -61,7 +61,7 @@ def _quantizer_columns(q, k, v, b, h, s, d) -> str:
     moved = 3 * (q.numel() + k.numel() + v.numel())
 
     def bench(fn):
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+        return harness.do_bench_us(fn, warmup=10, rep=60) / 1e3
 
     t_tri = bench(lambda: quantize_qkv(q, k, v, block_n=128, permute_v=True))
     t_cuda = bench(lambda: quantize_qkv_cuda(q, k, v, permute_v=True))
@@ -103,10 +103,10 @@ def main(argv=None) -> int:
         qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
         out = torch.empty_like(q)
         def kernel_ms():
-            return triton.testing.do_bench(
+            return harness.do_bench_us(
                 lambda: sage_attention_quantized(qkv, out, layout="bhsd", scale=d ** -0.5,
                                                  config=CUDA_SM90_CONFIG),
-                warmup=10, rep=60, return_mode="median")
+                warmup=10, rep=60) / 1e3
 
         ms = kernel_ms()
         tflops = tune.flops(b, h, s, d) / ms / 1e9

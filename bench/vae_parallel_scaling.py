@@ -55,11 +55,9 @@ import argparse
 import dataclasses
 import datetime as _dt
 import gc
-import json
 import os
 import statistics
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -202,16 +200,8 @@ def time_decode(vae, z: torch.Tensor, warmup: int, iters: int,
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    out = None
-    times = []
-    for i in range(warmup + iters):
-        out = None  # free the last output first: the peak is one decode's, not two outputs'
-        pipeline.synchronize(device)
-        start = time.perf_counter()
-        out = _decode(vae, z)
-        pipeline.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+    seconds, out = harness.wall_times_s(lambda: _decode(vae, z), warmup + iters, device)
+    times = [s * 1e3 for s in seconds[warmup:]]
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
@@ -398,18 +388,15 @@ def write_results(case: VaeCase, rows: list[dict], args, world: int, dtype: torc
                   device: torch.device) -> None:
     """Rank 0: ``case``'s JSON and markdown in ``args.out_dir``; prints the markdown."""
     env = harness.base_environment()
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
-    slug = harness.device_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
-    stem = f"vae_parallel_scaling_{case.key}{'-smoke' if args.smoke else ''}_x{world}_{slug}_{date}"
+    stem = harness.record_stem(f"vae_parallel_scaling_{case.key}{'-smoke' if args.smoke else ''}_x{world}",
+                               torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     latent = case.latent(args.frames)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     record = dict(benchmark="vae_parallel_scaling", environment=env, model=case.name,
                   description=case.description, latent=list(latent),
                   dtype=str(dtype).replace("torch.", ""), world_size=world, rows=rows,
                   args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2))
     md = _markdown(env, case, latent, world, rows, args, dtype)
-    (args.out_dir / f"{stem}.md").write_text(md)
+    harness.write_record(args.out_dir, stem, record, md)
     print(md, flush=True)
 
 
