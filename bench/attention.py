@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -511,8 +510,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="registered backend names (default: all but sdpa_math)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
-    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"),
-                        help="where the .json and .md go (default: $OUT, else bench/results)")
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--inputs", choices=sorted(INPUTS), default="randn",
                         help="randn (default, as the anchors) or dit: DiT-like activations "

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import attention as attention_bench
     from bench import harness

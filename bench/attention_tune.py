@@ -12,7 +12,7 @@ crash keeps what was measured).
 
 Usage (on the H200; about 2-3 minutes, most of it Triton compiles)::
 
-    PYTHONPATH=. python3 bench/attention_tune.py --out $OUT
+    PYTHONPATH=. python3 bench/attention_tune.py   # or --out DIR
 
 Options: ``--shapes flux,sd35,wan480`` (also: wan_cross, flux_causal, d256,
 flux_bshd), ``--configs 0,3,5`` (indices into CONFIGS), ``--no-check``.
@@ -21,11 +21,9 @@ flux_bshd), ``--configs 0,3,5`` (indices into CONFIGS), ``--no-check``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import triton
@@ -159,7 +157,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     parser.add_argument("--configs", default="all", help="'all' or comma-separated indices into CONFIGS")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    harness.add_out_dir_argument(parser, __file__, "--out")
     parser.add_argument("--warmup-ms", type=float, default=25.0)
     parser.add_argument("--rep-ms", type=float, default=100.0)
     parser.add_argument("--no-check", action="store_true")
@@ -186,7 +184,7 @@ def main():
     print(f"{props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}")
 
     def save(quiet=True):
-        harness.write_record(Path(args.out), stem, report, None, quiet=quiet)
+        harness.write_record(args.out_dir, stem, report, None, quiet=quiet)
 
     t_start = time.time()
     summary = []

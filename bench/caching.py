@@ -25,7 +25,7 @@ Timing is on the CPU with ``torch.set_num_threads(--threads)`` (default 1, for s
 numbers on a shared machine). The speed-up is read from the process's CPU time, which other
 processes on the machine barely move (a run whose reference overlapped a test run read 1.67x
 from wall times where 24% of the blocks were skipped); the load average is recorded beside each row. Results go to
-``--out-dir`` (default ``$OUT`` or bench/results/) as ``caching_cpu_<YYYYMMDD>.{json,md}``
+``--out-dir`` (default ``$OUT``, else bench/results/caching/) as ``caching_cpu_<YYYYMMDD>.{json,md}``
 (``caching-video_cpu_...`` for video).
 
     .venv/bin/python bench/caching.py
@@ -40,7 +40,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -54,7 +53,6 @@ DEFAULT_THRESHOLDS = {"first_block": [0.05, 0.1, 0.2], "teacache": [0.1, 0.25, 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else harness.REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", choices=("image", "video"), default="image", help="which embedded model")
     parser.add_argument("--n", type=int, default=100, help="images (clips) per configuration (digits 0..9 in turn)")
@@ -65,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--teacache", type=float, nargs="*", default=DEFAULT_THRESHOLDS["teacache"],
                         help="TeaCache thresholds")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--out-dir", type=Path, default=default_out)
+    harness.add_out_dir_argument(parser, __file__)
     args = parser.parse_args(argv)
     for name in ("n", "threads"):
         if getattr(args, name) < 1:

@@ -40,7 +40,7 @@ that differ only by one bf16 rounding step in some values (another block_k, spli
 sums K in another order, and the float32 sums round to bf16 apart; ~1e-4 relative L2) are
 ``ok (one rounding step)``; anything else is reported as differing and never chosen as the best.
 
-    python3 bench/gemv_tune.py --out-dir bench/results
+    python3 bench/gemv_tune.py
 """
 
 from __future__ import annotations
@@ -51,11 +51,9 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
     from bench import shapes as models
@@ -617,7 +615,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=max(0, min(12, (os.cpu_count() or 1) - 2)),
                         help="compile worker processes (0: compile while timing; default: CPUs - 2, at most 12)")
     parser.add_argument("--tag", default="", help="a name part for the output files")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     refusal = harness.gpu_refusal("bench/gemv_tune.py")

@@ -17,7 +17,7 @@
 
 Output: ``<out-dir>/halo_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is printed last.
 
-    python3 bench/halo.py [--frames 81] [--repeats 3] [--skip-decode] [--out-dir bench/results]
+    python3 bench/halo.py [--frames 81] [--repeats 3] [--skip-decode] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -36,7 +35,6 @@ if __package__:  # imported as bench.<script> (the tests)
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 H200_COPY_BYTES_PER_S = 4.3e12  # measured HBM copy rate (shared/ANCHORS.md)
 # (name, channels, height, width) of the Wan2.1 decoder's feature maps at 720p; 4 frames per
@@ -193,8 +191,7 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=81, help="video frames to decode (4k+1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decodes per case")
     parser.add_argument("--skip-decode", action="store_true", help="kernels only")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results",
-                        help="where the .json and .md go (default: bench/results)")
+    harness.add_out_dir_argument(parser, __file__)
     args = parser.parse_args()
     if args.frames < 1 or (args.frames - 1) % 4:
         parser.error(f"--frames must be 4k+1 (Wan's temporal compression); got {args.frames}")

@@ -17,6 +17,35 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results"
+
+# Each script's topic: the folder of bench/results/ its records go to by default.
+TOPICS = {
+    "attention": "attention", "attention_profile": "attention", "attention_tune": "attention",
+    "quantized_attention_tune": "quantized-attention", "sm90_kernel_alone": "quantized-attention-sm90",
+    "linear": "linear", "gemv_tune": "gemv",
+    "quant_per_token": "quant-activation", "quant_activation_tune": "quant-activation",
+    "qk_norm_rope": "qk-norm-rope", "halo": "halo", "caching": "caching",
+    "pipeline": "pipeline", "pipeline_profile": "pipeline-profile",
+    "parallel_overhead": "parallel", "parallel_scaling": "parallel", "vae_parallel_scaling": "parallel",
+    "prompt_encoding": "prompt-encoding", "serve": "serve",
+}
+
+
+def default_out_dir(script: str) -> Path:
+    """Where ``script``'s record goes (``script``: its file name or stem, e.g. ``__file__``):
+    ``$OUT`` when set, else ``bench/results/<topic>/``."""
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    return RESULTS / TOPICS[Path(script).stem]
+
+
+def add_out_dir_argument(parser, script: str, *flags: str) -> None:
+    """``--out-dir`` (or ``flags``), a Path in ``args.out_dir``, on ``parser``, defaulting to
+    :func:`default_out_dir` of ``script``."""
+    parser.add_argument(*(flags or ("--out-dir",)), dest="out_dir", type=Path, default=default_out_dir(script),
+                        help=f"where the .json and .md go (default: $OUT, else "
+                             f"bench/results/{TOPICS[Path(script).stem]}/)")
 
 
 def git_commit() -> str:

@@ -77,7 +77,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +89,6 @@ else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
     import shapes as models
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -638,7 +636,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="start no optional measurement after this many seconds")
     parser.add_argument("--hard-budget-s", type=float, default=270.0,
                         help="start no measurement at all after this many seconds")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
                         help="time every variant of a shape this many times, in turn; report the median")

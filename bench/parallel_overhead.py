@@ -7,7 +7,7 @@ token split and gather, text/image split, the all-to-alls on a 1-rank group,
 the ``omni_sp`` diffusers backend) with nothing actually split. Target: <= 2%.
 Both runs use the same omni attention backend, so only the parallel path differs.
 
-    python3 bench/parallel_overhead.py --out-dir bench/results   # prints one line per shape
+    python3 bench/parallel_overhead.py   # prints one line per shape
     python3 bench/parallel_overhead.py --blocks 19 --single-blocks 38   # Flux.1's full depth
 
 Model: a FluxTransformer2DModel with Flux.1's widths (24 heads x 128, 3072) and
@@ -163,7 +163,7 @@ def build_model(blocks: int, single_blocks: int, device: str, dtype: torch.dtype
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--single-blocks", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=40,
@@ -271,7 +271,7 @@ def main() -> int:
                      f"{r['overhead_pct']:+.2f}% | {r['noise_floor_pct']:+.2f}% | {r['plain_host_cpu_ms']:.2f} / "
                      f"{r['sp_host_cpu_ms']:.2f} | {r['max_abs_diff']:.1e} | {r['plain_ops'] == r['sp_ops']} |")
     lines += ["", "Target (issue 7): overhead <= 2%."]
-    harness.write_results(Path(args.out_dir), "parallel_overhead", env, record, "\n".join(lines))
+    harness.write_results(args.out_dir, "parallel_overhead", env, record, "\n".join(lines))
     dist.destroy_process_group()
     worst = max(r["overhead_pct"] for r in rows)
     return 0 if not cuda or worst <= 2.0 else 1

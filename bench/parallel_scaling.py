@@ -44,7 +44,7 @@ rank 0's output (the forward output, or the guided noise prediction) against its
 baseline's. Rank 0 writes ``parallel_scaling_<model>_x<N>_<device>_<date>.json`` and
 ``.md`` to ``--out-dir`` and prints the table.
 
-    torchrun --nproc_per_node 2 bench/parallel_scaling.py --model flux --out-dir bench/results
+    torchrun --nproc_per_node 2 bench/parallel_scaling.py --model flux
     torchrun --nproc_per_node 8 bench/parallel_scaling.py --model wan --compile --quant fp8
     torchrun --nproc_per_node 4 bench/parallel_scaling.py --model wan --strategies ulysses cfg_ulysses
     torchrun --nproc_per_node 2 bench/parallel_scaling.py --smoke --model flux   # CPU check
@@ -62,7 +62,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness, pipeline
     from bench import shapes as models
@@ -251,7 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile")
     parser.add_argument("--quant", choices=("fp8", "int8"), default=None, help="W8A8 linear layers (every run)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo")
-    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"))
+    harness.add_out_dir_argument(parser, __file__)
     return parser.parse_args(argv)
 
 

@@ -97,12 +97,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
     from bench import shapes as models
@@ -599,7 +597,6 @@ def markdown(env: dict, infos: list[dict], rows: list[dict]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     default_models = os.environ.get("OMNI_PIPELINE_MODELS", "flux wan").split()
-    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=default_models)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
@@ -608,7 +605,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="weights and activations (default bfloat16; float32 with --smoke)")
     parser.add_argument("--compile-backend", default="inductor")
-    parser.add_argument("--out-dir", type=Path, default=default_out)
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on CPU, float32, compile backend 'eager': checks the script")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Where a transformer step's GPU time goes: bench/pipeline.py's models and variants under
 torch.profiler, kernels grouped by kind.
 
-    python3 bench/pipeline_profile.py --model flux --variants omni_lossless omni_fp8 --out-dir bench/results
+    python3 bench/pipeline_profile.py --model flux --variants omni_lossless omni_fp8
 
 For each variant: the model (random bf16 weights at full width, as bench/pipeline.py builds it)
 gets the variant applied, runs ``--warmup`` forwards, then ``--iters`` forwards under the
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -115,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile-backend", default="inductor")
-    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    harness.add_out_dir_argument(parser, __file__)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/pipeline_profile.py profiles CUDA kernels: no CUDA device here", file=sys.stderr)

@@ -13,7 +13,7 @@ The model is a Qwen-Image pipeline whose text encoder is a random Qwen2.5-VL
 text decoder of ``--width``/``--layers`` (no weights are downloaded), with the
 pipeline's real template; both sides run it in float32 on the CPU here. The
 embeddings of both sides are compared too (relative error). Results go to
-``$OUT`` or bench/results/ as JSON and Markdown.
+``$OUT`` or bench/results/prompt-encoding/ as JSON and Markdown.
 
 On the GPU machine vLLM is not available (its size and pins keep it out of the
 carried wheels), so this benchmark is CPU-only for now.
@@ -24,7 +24,6 @@ carried wheels), so this benchmark is CPU-only for now.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -94,7 +93,6 @@ def run_concurrent(fn, callers: int) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else harness.REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", default=str(harness.REPO_ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
@@ -102,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=default_out)
+    harness.add_out_dir_argument(parser, __file__, "--out")
     return parser.parse_args(argv)
 
 
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['encoder']} | {r['concurrent']} | {r['prompts_per_s']:.1f} | "
                      f"{r['seconds'] * 1e3:.1f} | {req} |")
     lines.append(f"\nembeddings: relative error vLLM vs transformers {rel_err:.2e}; commit {env['git_commit']}")
-    harness.write_results(args.out, "prompt_encoding", env, dict(environment=env, results=rows), "\n".join(lines))
+    harness.write_results(args.out_dir, "prompt_encoding", env, dict(environment=env, results=rows), "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -45,7 +45,6 @@ import math
 import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -56,7 +55,6 @@ else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
     import shapes as models
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
     # Run from a source checkout without installing the package.
 
 
@@ -470,8 +468,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="backends to run (default: all); diffusers-eager is the speedup baseline")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results",
-                        help="where the .json and .md go (default: bench/results)")
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loop-calls", type=int, default=50,
                         help="calls in the back-to-back 'loop us' measurement")

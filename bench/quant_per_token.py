@@ -20,7 +20,7 @@ Median of ``triton.testing.do_bench`` (L2 flushed before each call), launched ou
 ``torch.library.wrap_triton``'s tracing path as the op's eager and Inductor-generated calls are;
 GB/s over the bytes a kernel must move (input read once, 8-bit output written once).
 
-    python3 bench/quant_per_token.py --out-dir bench/results
+    python3 bench/quant_per_token.py
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
     from bench import shapes as models
@@ -182,7 +180,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(DEFAULT_SHAPES))
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-values-per-thread", type=int, default=256,
                         help="skip Triton settings whose tile gives a thread more float32 values than this")

@@ -14,12 +14,12 @@ TFLOP/s-equivalent is ``4*B*H*Sq*Skv*D / t``. Accuracy is checked on a subset
 input sets: ``randn`` (the bench/attention.py inputs) and ``dit`` (the DiT-like
 inputs of :func:`dit_like_qkv`: Q/K outlier channels, K channel bias, V channel
 means), printing the mean per-row cosine and the relative L2 error for omni and
-sageattention. Everything goes to ``<out-dir>/quantized_attention_tune.json``,
+sageattention. Everything goes to ``<out-dir>/quantized_attention_tune_<device>_<date>.json``,
 rewritten after every row.
 
 Usage (on the H200; a few minutes, mostly Triton compiles and the video shapes)::
 
-    PYTHONPATH=. python3 bench/quantized_attention_tune.py --out-dir $OUT
+    PYTHONPATH=. python3 bench/quantized_attention_tune.py   # or --out-dir DIR
 
 Options: ``--shapes flux,wan720,hunyuan`` (also wan480), ``--configs 0,2``
 (indices into CONFIGS), ``--no-check``. Under two minutes on an H200:
@@ -29,12 +29,10 @@ Options: ``--shapes flux,wan720,hunyuan`` (also wan480), ``--configs 0,2``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -121,8 +119,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     parser.add_argument("--configs", default="all", help="'all' or comma-separated indices into CONFIGS")
-    parser.add_argument("--out-dir", "--out", dest="out",
-                        default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    harness.add_out_dir_argument(parser, __file__, "--out-dir", "--out")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
 
@@ -159,7 +156,7 @@ def main():
         f"sageattention: {sage_reason or 'available'}")
 
     def save(quiet=True):
-        harness.write_record(Path(args.out), stem, report, "\n".join(md_lines + ["```"]), quiet=quiet)
+        harness.write_record(args.out_dir, stem, report, "\n".join(md_lines + ["```"]), quiet=quiet)
 
     start = time.time()
     summary = []

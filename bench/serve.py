@@ -14,9 +14,9 @@ starts ``omni-serve`` on 127.0.0.1 and a free port, warms it up, then:
 
 Targets (from the issue): overhead <= 5 ms per request; batched throughput >= 1.5x
 one-at-a-time at 8 concurrent small requests. Results go to ``--out-dir`` (default
-``$OUT`` or bench/results/) as JSON and Markdown::
+``$OUT`` or bench/results/serve/) as JSON and Markdown::
 
-    .venv/bin/python bench/serve.py --out-dir bench/results
+    .venv/bin/python bench/serve.py
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the server's worker runs (the clients stay on loopback)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per concurrent phase")
     p.add_argument("--startup-timeout", type=float, default=180.0)
-    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(harness.REPO_ROOT / "bench" / "results"))
+    harness.add_out_dir_argument(p, __file__)
     args = p.parse_args(argv)
     for name in ("clients", "requests", "sequential", "steps", "threads"):
         if getattr(args, name) < 1:
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         "changes in the working tree.",
     ]
     stem = harness.record_stem("serve", "cpu" if args.device == "cpu" else env["device"])
-    harness.write_record(Path(args.out_dir), stem, dict(environment=env, args=vars(args), summary=summary,
+    harness.write_record(args.out_dir, stem, dict(environment=env, args=vars(args), summary=summary,
                                                         results=results), "\n".join(lines))
     print("\n".join(lines))
     return 0 if intact else 1

@@ -36,7 +36,7 @@ of the FakeTensors that trace other ranks' tiles), the largest rank's peak as a 
 of the baseline's, and the relative L2 error of rank 0's output against the baseline's output
 (and against the untiled one). Rank 0 writes, per model,
 ``vae_parallel_scaling_<model>[-smoke]_x<N>_<device>_<date>.json`` and ``.md`` to
-``--out-dir`` (default ``$OUT``, else ``bench/results``) and prints the table.
+``--out-dir`` (default ``$OUT``, else ``bench/results/parallel/``) and prints the table.
 
 Target (issue 11): Wan 720p decode >= 3x faster with <= 40% of the 1-GPU peak memory per GPU at
 4 GPUs in spatial mode.
@@ -66,7 +66,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness, pipeline
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
@@ -253,7 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="spatial output gathered to rank 0 only (output_rank=0); default: every rank, "
                              "as omni's pipelines do")
     parser.add_argument("--smoke", action="store_true", help="tiny VAEs on CPU with gloo")
-    parser.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results"))
+    harness.add_out_dir_argument(parser, __file__)
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.iters < 1:
         parser.error(f"--warmup must be >= 0 and --iters >= 1; got {args.warmup}, {args.iters}")

@@ -12,7 +12,7 @@
 # "qk_norm_rope attention linear halo parallel_overhead"), OMNI_GIT_COMMIT (the commit the results name: the copied tree
 # has no .git), OMNI_CUDA_ARCHS (default 90a, for an H100/H200), CUDA_HOME
 # (default: /usr/local/cuda-13.0 or /usr/local/cuda when they hold nvcc),
-# OUT (benchmark results go to $OUT, else bench/results).
+# OUT (benchmark results go to $OUT, else each benchmark's bench/results/<topic>/).
 #
 # Exit status: non-zero when the build, the tests or the benchmark failed;
 # with `all`, the benchmark runs even when tests failed.
@@ -39,7 +39,7 @@ source scripts/carried_wheels.sh
 
 # shellcheck source=scripts/gpu_build_env.sh
 source scripts/gpu_build_env.sh
-out_dir=${OUT:-bench/results}
+out_dir=${OUT:-bench/results/<topic>}  # the benchmarks read $OUT themselves
 
 echo "== environment"
 python3 - <<'EOF'
@@ -86,13 +86,12 @@ fi
 bench_rc=skipped
 bench_s=0
 if [ "$mode" != test ]; then
-    mkdir -p "$out_dir"
     start=$(date +%s)
     bench_rc=0
     # OMNI_BENCHES picks benchmarks (default: all of them); each records its results in $out_dir.
     for bench in ${OMNI_BENCHES:-qk_norm_rope attention linear halo parallel_overhead}; do
-        echo "== bench: python3 bench/$bench.py --out-dir $out_dir"
-        python3 "bench/$bench.py" --out-dir "$out_dir" || bench_rc=$?
+        echo "== bench: python3 bench/$bench.py (results in $out_dir)"
+        python3 "bench/$bench.py" || bench_rc=$?
     done
     bench_s=$(( $(date +%s) - start ))
 fi

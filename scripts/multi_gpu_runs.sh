@@ -7,7 +7,7 @@
 #                                      with the acceleration stack: --compile --quant fp8)
 #       flux-eager                    (the same without the stack, for comparison)
 #       vae-wan | vae-flux            (bench/vae_parallel_scaling.py: tile and spatial decode)
-# Results go to $OUT (else bench/results), one JSON + markdown per run, named by the bench.
+# Results go to $OUT (else bench/results/parallel/), one JSON + markdown per run, named by the bench.
 # Wan 720p is long (about 10 s a forward on one H200): run its strategies in two calls if the
 # first hits the limit, e.g. `... wan-720p --strategies ulysses ring usp` then `... --strategies tp cfg cfg_ulysses`.
 set -uo pipefail
@@ -34,16 +34,15 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # shellcheck source=scripts/carried_wheels.sh
 source scripts/carried_wheels.sh
-out_dir=${OUT:-bench/results}
 run=(python3 -m torch.distributed.run --nproc_per_node "$gpus")
 
 case "$part" in
     flux | flux-2048 | wan-720p)
-        "${run[@]}" bench/parallel_scaling.py --model "$part" --compile --quant fp8 --out-dir "$out_dir" "$@" ;;
+        "${run[@]}" bench/parallel_scaling.py --model "$part" --compile --quant fp8 "$@" ;;
     flux-eager)
-        "${run[@]}" bench/parallel_scaling.py --model flux --out-dir "$out_dir" "$@" ;;
+        "${run[@]}" bench/parallel_scaling.py --model flux "$@" ;;
     vae-wan)
-        "${run[@]}" bench/vae_parallel_scaling.py --model wan --iters 2 --out-dir "$out_dir" "$@" ;;
+        "${run[@]}" bench/vae_parallel_scaling.py --model wan --iters 2 "$@" ;;
     vae-flux)
-        "${run[@]}" bench/vae_parallel_scaling.py --model flux --out-dir "$out_dir" "$@" ;;
+        "${run[@]}" bench/vae_parallel_scaling.py --model flux "$@" ;;
 esac
