@@ -532,9 +532,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = harness.gpu_refusal("bench/attention.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/attention.py"):
         return 2
 
     from omni_kernels.attention import get_backend, list_backends

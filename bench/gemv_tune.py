@@ -551,10 +551,8 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def markdown(env: dict, rows: list[dict], flush_us: float | None, top: int = 8) -> str:
     lines = ["# Weight-only Triton GEMV: launch settings at Flux's adaLN modulation shapes", "",
-             f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
-             f"triton {env['packages'].get('triton')}; x bf16 [M, K] with 4 outlier channels, bf16 bias",
-             f"- git commit: {env['git_commit']}; {env['utc']}",
-             f"- command: `{env['command']}`",
+             *harness.provenance_lines(env, f"triton {env['packages'].get('triton')}; x bf16 [M, K] with 4 outlier "
+                                       "channels, bf16 bias"),
              "- median us of triton.testing.do_bench (L2 flushed), launched outside wrap_triton's tracing path; "
              "weight GB/s = weight bytes (8-bit; bf16 for the baseline) / median; vs bf16 = bf16 us / us; "
              f"host us = CPU time a call (L2 flush: {_fmt(flush_us, '.0f')} us of GPU time; above it the median "
@@ -618,9 +616,7 @@ def main(argv=None) -> int:
     harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    refusal = harness.gpu_refusal("bench/gemv_tune.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/gemv_tune.py"):
         return 2
     start = time.monotonic()
     env = harness.base_environment(("triton",))

@@ -99,6 +99,16 @@ def base_environment(packages: tuple[str, ...] = ("triton", "diffusers")) -> dic
     )
 
 
+def provenance_lines(env: dict, versions: str, *, arch: bool = False) -> list[str]:
+    """A record's markdown bullets for ``env`` (:func:`base_environment`): device (with its arch
+    when ``arch``), torch and CUDA, then ``versions`` (the rest, as the record words it); commit and
+    time; the command."""
+    device = f"{env['device']} ({env['arch']})" if arch else env["device"]
+    return [f"- device: {device}; torch {env['torch']} (CUDA {env['cuda']}), {versions}",
+            f"- git commit: {env['git_commit']}; {env['utc']}",
+            f"- command: `{env['command']}`"]
+
+
 def gpu_refusal(script: str) -> str | None:
     """Why benchmark ``script`` cannot time kernels here (no CUDA GPU, or Triton's interpreter
     on), or None."""
@@ -107,6 +117,14 @@ def gpu_refusal(script: str) -> str | None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "unset TRITON_INTERPRET: the benchmark must run compiled Triton kernels"
     return None
+
+
+def refuse_without_gpu(script: str) -> bool:
+    """True, with :func:`gpu_refusal`'s reason on stderr, when ``script`` cannot time kernels here."""
+    refusal = gpu_refusal(script)
+    if refusal:
+        print(refusal, file=sys.stderr)
+    return bool(refusal)
 
 
 def device_slug(name: str, empty: str = "unknown-device") -> str:

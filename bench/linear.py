@@ -543,11 +543,8 @@ def _markdown(env, linear_rows, step_rows) -> str:
     lines = [
         "# FP8 / INT8 linear layers",
         "",
-        f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton "
-        f"{env['packages'].get('triton')}, diffusers {env['packages'].get('diffusers')}, torchao "
-        f"{env['packages'].get('torchao')}",
-        f"- git commit: {env['git_commit']}; {env['utc']}",
-        f"- command: `{env['command']}`",
+        *harness.provenance_lines(env, f"triton {env['packages'].get('triton')}, diffusers "
+                                  f"{env['packages'].get('diffusers')}, torchao {env['packages'].get('torchao')}"),
         "- median us: the median over rounds (every variant of a shape timed once per round, in turn) "
         "of triton.testing.do_bench medians (L2 flushed); W8A8 times include the per-token "
         "activation quantization; rel err vs a float32 GEMM of the unquantized operands "
@@ -648,9 +645,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = harness.gpu_refusal("bench/linear.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/linear.py"):
         return 2
     budget = _Budget(args.budget_s, args.hard_budget_s)
     env = harness.base_environment(("triton", "diffusers", "torchao"))

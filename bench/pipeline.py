@@ -622,9 +622,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = None if args.smoke else harness.gpu_refusal("bench/pipeline.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if not args.smoke and harness.refuse_without_gpu("bench/pipeline.py"):
         return 2
     try:
         import diffusers  # noqa: F401

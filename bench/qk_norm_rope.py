@@ -406,10 +406,7 @@ def _markdown(env: dict, shapes, rows) -> str:
     lines = [
         "# Fused QK-RMSNorm + RoPE",
         "",
-        f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton "
-        f"{env['triton']}, diffusers {env['diffusers']}",
-        f"- git commit: {env['git_commit']}; {env['utc']}",
-        f"- command: `{env['command']}`",
+        *harness.provenance_lines(env, f"triton {env['triton']}, diffusers {env['diffusers']}"),
         "- median us: triton.testing.do_bench median (L2 flushed before each call; host work "
         "beyond the flush's length shows up); loop us: back-to-back calls, launch and Python "
         "overhead included; graph us: GPU time alone (calls captured in a CUDA graph, inputs "
@@ -477,9 +474,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = harness.gpu_refusal("bench/qk_norm_rope.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/qk_norm_rope.py"):
         return 2
 
     env = _environment()

@@ -38,9 +38,11 @@ import torch
 
 if __package__:  # imported as bench.<script> (the tests)
     from bench import harness
+    from bench import quant_per_token as per_token
     from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import quant_per_token as per_token
     import shapes as models
 
 
@@ -94,7 +96,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
             q, scale = call()
             if baseline is None:
                 baseline = (q, scale)
-            same = torch.equal(scale, baseline[1]) and torch.equal(q.view(torch.uint8), baseline[0].view(torch.uint8))
+            same = per_token.bit_identical(q, scale, *baseline)
             us = harness.median_us(call)
             rows.append(dict(shape=shape.name, setting=label, us=us, gbps=nbytes / us / 1e3,
                              same_as_default=same, status="ok" if same else "differs from the default"))
@@ -107,8 +109,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
             return torch.ops.omni_kernels.quantize_activated(x, head, 0, 0.0, out_dtype)
         q, scale = call_cuda()
         # The two kernels' GELUs may round apart: scales within 1e-5, codes equal in 99% of values.
-        agree = bool(torch.allclose(scale, baseline[1], rtol=1e-5, atol=0)
-                     and (q.float() != baseline[0].float()).float().mean() < 0.01)
+        agree = per_token.agree_within_tolerance(q, scale, *baseline)
         us = harness.median_us(call_cuda)
         rows.append(dict(shape=shape.name, setting="cuda", us=us, gbps=nbytes / us / 1e3, same_as_default=agree,
                          status="ok" if agree else "differs from the Triton kernel's (beyond one code in 1%)"))
@@ -121,10 +122,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
 
 def markdown(env: dict, shapes: list[Shape], rows: list[dict], dtype: str) -> str:
     lines = ["# GELU-folded activation quantization: launch settings", "",
-             f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
-             f"triton {env['packages'].get('triton')}; input {dtype}, FP8 e4m3 output",
-             f"- git commit: {env['git_commit']}; {env['utc']}",
-             f"- command: `{env['command']}`",
+             *harness.provenance_lines(env, f"triton {env['packages'].get('triton')}; input {dtype}, FP8 e4m3 output"),
              "- median us of triton.testing.do_bench (L2 flushed); GB/s over input read once + output written once;"
              " every setting's codes and scales are checked equal to the default's (tile-8w-keep).", ""]
     for shape in shapes:
@@ -148,9 +146,7 @@ def main(argv=None) -> int:
     harness.add_out_dir_argument(parser, __file__)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    refusal = harness.gpu_refusal("bench/quant_activation_tune.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/quant_activation_tune.py"):
         return 2
     from omni_kernels.quant import fp8_unsupported_reason
 

@@ -79,20 +79,25 @@ def values_per_thread(cols: int, options: dict) -> int:
     return rows * block // (32 * warps)
 
 
-def _agree_within_tolerance(q_a, s_a, q_b, s_b) -> bool:
+def agree_within_tolerance(q_a, s_a, q_b, s_b) -> bool:
     """Scales within 1e-5 relative, codes equal in at least 99% of the values."""
     return bool(torch.allclose(s_a, s_b, rtol=1e-5, atol=0) and (q_a.float() != q_b.float()).float().mean() < 0.01)
 
 
+def bit_identical(q_a, s_a, q_b, s_b) -> bool:
+    """8-bit codes ``q`` and float32 scales ``s`` equal to the bit."""
+    return torch.equal(s_a, s_b) and torch.equal(q_a.view(torch.uint8), q_b.view(torch.uint8))
+
+
 def compare_with_default(q, scale, q_default, scale_default, fused: bool) -> tuple[bool, str]:
     """``(same, status)`` of a setting's output against the default launch's."""
-    same = torch.equal(scale, scale_default) and torch.equal(q.view(torch.uint8), q_default.view(torch.uint8))
+    same = bit_identical(q, scale, q_default, scale_default)
     if same:
         return True, "ok"
     moved = (q.float() != q_default.float()).float().mean().item()
     scale_rel = ((scale - scale_default).abs() / scale_default).max().item()
     detail = f"{moved:.3%} of the codes differ, scales up to {scale_rel:.2e} relative"
-    if fused and _agree_within_tolerance(q, scale, q_default, scale_default):
+    if fused and agree_within_tolerance(q, scale, q_default, scale_default):
         return False, f"ok, not bit-identical (row sums in another order): {detail}"
     return False, f"differs from the default: {detail}"
 
@@ -123,7 +128,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
         q_t, s_t = torch.ops.omni_kernels.quantize_per_token_triton(*args)
         q_c, s_c = torch.ops.omni_kernels.quantize_per_token(*args)
         steps = (q_c.float() - q_t.float()).abs()
-        agree = _agree_within_tolerance(q_c, s_c, q_t, s_t)
+        agree = agree_within_tolerance(q_c, s_c, q_t, s_t)
         for label, op in (("cuda", torch.ops.omni_kernels.quantize_per_token),
                           ("triton", torch.ops.omni_kernels.quantize_per_token_triton)):
             record(label, harness.median_us(lambda op=op: op(*args)), None if label == "cuda" else True,
@@ -149,10 +154,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
 
 def markdown(env: dict, shapes: list[Shape], rows: list[dict], dtype: str) -> str:
     lines = ["# Per-token activation quantization: CUDA C++ vs Triton", "",
-             f"- device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
-             f"triton {env['packages'].get('triton')}; input {dtype}, FP8 e4m3 output",
-             f"- git commit: {env['git_commit']}; {env['utc']}",
-             f"- command: `{env['command']}`",
+             *harness.provenance_lines(env, f"triton {env['packages'].get('triton')}; input {dtype}, FP8 e4m3 output"),
              "- median us of triton.testing.do_bench (L2 flushed); GB/s over input read once + output written once;"
              " the two kernels' scales agree within 1e-5 and their codes in 99% of the values.",
              "- triton-rR-wW: the Triton launcher with R rows a program and W warps; `same`: codes and scales"
@@ -185,9 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-values-per-thread", type=int, default=256,
                         help="skip Triton settings whose tile gives a thread more float32 values than this")
     args = parser.parse_args(argv)
-    refusal = harness.gpu_refusal("bench/quant_per_token.py")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if harness.refuse_without_gpu("bench/quant_per_token.py"):
         return 2
     from omni_kernels._extension import has_compiled_extension
 

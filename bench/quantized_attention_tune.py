@@ -138,10 +138,7 @@ def main():
     md_lines = [
         "# Quantized attention (omni_sage) configs against cuDNN and sageattention",
         "",
-        f"- device: {env['device']} ({env['arch']}); torch {env['torch']} (CUDA {env['cuda']}), "
-        + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
-        f"- git commit: {env['git_commit']}; {env['utc']}",
-        f"- command: `{env['command']}`",
+        *harness.provenance_lines(env, ", ".join(f"{k} {v}" for k, v in env["packages"].items()), arch=True),
         "- do_bench medians; TFLOP/s-equivalent = 4*B*H*S*S*D / t; quantization included unless the row "
         "says 'only'",
         "",

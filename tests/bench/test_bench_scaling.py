@@ -5,31 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _pythonpath() -> str:
-    """The repository first, so that the script imports this checkout's omni packages."""
-    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from torchrun_helpers import REPO, free_port, pythonpath
 
 
 def test_scaling_bench_two_ranks_writes_rows(tmp_path):
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    env = dict(os.environ, PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", "--model", "flux",
            "--strategies", "ulysses", "usp", "tp", "--warmup", "1", "--iters", "1",
            "--attention", "sdpa_math", "--out-dir", str(tmp_path)]
@@ -52,8 +38,8 @@ def test_scaling_bench_two_ranks_writes_rows(tmp_path):
 def test_scaling_bench_with_the_acceleration_stack(tmp_path):
     """--compile and --quant apply to the baselines and every strategy alike, CFG included (through
     accelerate, undone between runs); the tags name them in the file name."""
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    env = dict(os.environ, PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", "--model", "flux", "--strategies", "ulysses", "tp", "cfg",
            "--compile", "--compile-backend", "eager", "--quant", "int8", "--warmup", "1", "--iters", "1",
            "--attention", "sdpa_math", "--out-dir", str(tmp_path)]
@@ -70,8 +56,8 @@ def test_scaling_bench_with_the_acceleration_stack(tmp_path):
 
 
 def _run_smoke(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    env = dict(os.environ, PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", *extra, "--warmup", "1", "--iters", "1",
            "--attention", "sdpa_math", "--out-dir", str(tmp_path)]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
