@@ -83,10 +83,11 @@ import torch.nn.functional as F
 from torch import nn
 
 if __package__:  # imported as bench.<script> (the tests)
-    from bench import harness
+    from bench import harness, linear_step
     from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
+    import linear_step
     import shapes as models
 
 
@@ -147,7 +148,6 @@ VARIANTS = ESSENTIAL + (
 _GELU_VARIANTS = {"bf16+gelu", "omni-fp8+gelu"}
 # Weight-only layers are for memory-bound (small-M) cases; at Wan's M they only cost time.
 _WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-two-calls"}
-FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
 ERROR_ROWS = 2048
 DEVICE = "cuda"
 # The GEMV takes at most this many rows (omni_kernels.quant.linear.GEMV_MAX_M).
@@ -201,10 +201,6 @@ class _Budget:
 def _bench(fn) -> float:
     """Median microseconds of ``fn`` (the timer the CPU tests replace)."""
     return harness.median_us(fn, warmup=10, rep=100)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _activations(m, k, gen):
@@ -311,7 +307,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
                 out = call()  # warm-up: autotuning, compilation
                 torch.cuda.synchronize()
                 if is_layer:
-                    row["rel_err"] = _rel(out[:ERROR_ROWS], ref_gelu if variant in _GELU_VARIANTS else ref)
+                    row["rel_err"] = linear_step.relative_error(
+                        out[:ERROR_ROWS], ref_gelu if variant in _GELU_VARIANTS else ref)
                 del out
                 row["round_medians_us"] = [_bench(call)]
                 # do_bench's figure includes host time when a call's launches outlast its kernels
@@ -360,179 +357,6 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
     layers.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    return rows
-
-
-# --------------------------------------------------------------------------- transformer step
-
-
-def _flux_transformer_cuda():
-    """FluxTransformer2DModel at its default config, random weights, built directly on the GPU."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel()
-    model = model.to_empty(device=DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):  # nn.Linear's default init range
-                bound = module.in_features ** -0.5
-                module.weight.uniform_(-bound, bound, generator=gen)
-                if module.bias is not None:
-                    module.bias.uniform_(-bound, bound, generator=gen)
-        for name, param in model.named_parameters():
-            if not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear):
-                param.fill_(1.0 if name.endswith("weight") else 0.0)
-    return model.to(torch.bfloat16).eval()
-
-
-def _flux_inputs(height=64, width=64, text=512, seed=1):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    rows = torch.arange(height, device=DEVICE).repeat_interleave(width)
-    cols = torch.arange(width, device=DEVICE).repeat(height)
-    return dict(
-        hidden_states=torch.randn(1, height * width, 64, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, text, 4096, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        pooled_projections=torch.randn(1, 768, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        timestep=torch.tensor([0.5], device=DEVICE, dtype=torch.bfloat16),
-        img_ids=torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float(),
-        txt_ids=torch.zeros(text, 3, device=DEVICE),
-        return_dict=False,
-    )
-
-
-def _time_steps(model, inputs, steps: int) -> tuple[float, float, torch.Tensor]:
-    """``(median ms, peak GiB during a step, output)``."""
-    outputs = []
-
-    def step():
-        outputs[:] = [model(**inputs)[0]]
-
-    with torch.no_grad():
-        step()
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = harness.call_times_ms(step, steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    times.sort()
-    return times[len(times) // 2], peak, outputs[0]
-
-
-def _compile_and_warm(model, inputs) -> str:
-    """Compile the repeated blocks (regional compilation: one compile per block class) and run
-    one step, which is when compilation happens. ``fullgraph=True`` first; if that fails to
-    trace, the error is recorded and the blocks are compiled again without it."""
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    try:
-        compile_repeated = getattr(model, "compile_repeated_blocks", None)
-        if compile_repeated is not None:
-            compile_repeated(fullgraph=True)
-        else:
-            for block in blocks:
-                block.compile(fullgraph=True)
-        with torch.no_grad():
-            model(**inputs)
-        torch.cuda.synchronize()
-        return "regional torch.compile, fullgraph=True"
-    except Exception as exc:  # noqa: BLE001 - recorded in the results
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        print(f"[flux step] fullgraph compile failed, compiling without it: {reason}", file=sys.stderr)
-        torch._dynamo.reset()
-        for block in blocks:
-            block.compile()
-        with torch.no_grad():
-            model(**inputs)
-        torch.cuda.synchronize()
-        return f"regional torch.compile, fullgraph=False (fullgraph=True failed: {reason})"
-
-
-def _model_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (what it holds on the GPU)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _run_transformer(budget: _Budget, steps: int, variants):
-    from omni_diffusion.quantization import QuantConfig, quantize
-
-    rows = []
-    torch.cuda.empty_cache()
-    model = _flux_transformer_cuda()
-    inputs = _flux_inputs()
-    bf16_bytes = _model_bytes(model)
-    ms, peak, ref = _time_steps(model, inputs, steps)
-    ref = ref.float()
-    rows.append(dict(variant="bf16-eager", status="ok", step_ms=ms, peak_gib=peak,
-                     model_gib=bf16_bytes / 2**30))
-    print(f"[flux step] bf16 eager: {ms:.1f} ms, model {bf16_bytes / 2**30:.2f} GiB, peak {peak:.1f} GiB",
-          flush=True)
-    bf16_ms = ms
-
-    for method in ("fp8", "int8"):
-        wanted = [v for v in variants if v.startswith(method)]
-        if not wanted:
-            continue
-        if budget.exceeded(essential=True):
-            rows += [dict(variant=v, status="skipped: time budget") for v in wanted]
-            continue
-        try:
-            if model is None:  # the same random weights again (seeded), for the next method
-                model = _flux_transformer_cuda()
-            quantize(model, QuantConfig(method=method, skip=FLUX_SKIP))
-            gc.collect()
-            torch.cuda.empty_cache()
-            quant_bytes = _model_bytes(model)
-        except Exception as exc:
-            rows += [dict(variant=v, status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400])
-                     for v in wanted]
-            model = None
-            continue
-        for variant in wanted:
-            row = dict(variant=variant)
-            if budget.exceeded(essential=variant not in _OPTIONAL_STEP_VARIANTS):
-                row["status"] = "skipped: time budget"
-                rows.append(row)
-                continue
-            undo_fused = None
-            gemm_backends = {}
-            try:
-                if variant.endswith("-aten"):  # the same layers with torch._scaled_mm as their GEMM
-                    from omni_kernels.quant import QuantizedLinear
-
-                    gemm_backends = {m: m.backend for m in model.modules() if isinstance(m, QuantizedLinear)}
-                    for layer in gemm_backends:
-                        layer.backend = "aten"
-                if "fused-norm-rope" in variant:
-                    from omni_diffusion.adapters import adapter_for_transformer
-
-                    undo_fused = adapter_for_transformer(model).apply_fused_norm_rope(model)
-                if variant.endswith("compiled"):
-                    start = time.monotonic()
-                    row["compile"] = _compile_and_warm(model, inputs)
-                    row["compile_s"] = time.monotonic() - start
-                ms, peak, out = _time_steps(model, inputs, steps)
-                row.update(status="ok", step_ms=ms, peak_gib=peak, model_gib=quant_bytes / 2**30,
-                           memory_vs_bf16=quant_bytes / bf16_bytes, speedup_vs_bf16_eager=bf16_ms / ms,
-                           rel_err_vs_bf16=_rel(out.float(), ref))
-                print(f"[flux step] {variant}: {ms:.1f} ms ({bf16_ms / ms:.2f}x), rel err "
-                      f"{row['rel_err_vs_bf16']:.4f}, model {quant_bytes / 2**30:.2f} GiB "
-                      f"({row['memory_vs_bf16']:.1%} of bf16), peak {peak:.1f} GiB", flush=True)
-            except Exception as exc:
-                row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400]
-                row["traceback"] = traceback.format_exc()[-3000:]
-                print(f"[flux step] {variant} failed:\n{row['traceback']}", file=sys.stderr)
-            finally:
-                if undo_fused is not None:
-                    undo_fused()
-                for layer, backend in gemm_backends.items():
-                    layer.backend = backend
-            rows.append(row)
-        model = None
-        gc.collect()
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -588,7 +412,7 @@ def _markdown(env, linear_rows, step_rows) -> str:
             "## Flux-shaped transformer step (Flux.1 config, 11.9B random bf16 weights, 1024^2: "
             "4096 image + 512 text tokens)",
             "",
-            f"Kept in bf16: {', '.join(FLUX_SKIP)}. Median step time (CUDA events).",
+            f"Kept in bf16: {', '.join(linear_step.FLUX_SKIP)}. Median step time (CUDA events).",
             "",
             "| variant | step ms | speedup vs bf16 eager | rel err vs bf16 | model GiB | memory vs bf16 "
             "| peak GiB | status |",
@@ -614,19 +438,14 @@ def _markdown(env, linear_rows, step_rows) -> str:
     return "\n".join(lines)
 
 
-STEP_VARIANTS = ("fp8-eager", "fp8-eager-fused-norm-rope", "fp8-eager-fused-norm-rope-aten", "fp8-compiled",
-                 "int8-eager")
-# Measured only while time is left (--budget-s).
-_OPTIONAL_STEP_VARIANTS = ("fp8-eager-fused-norm-rope", "fp8-eager-fused-norm-rope-aten", "int8-eager")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(DEFAULT_SHAPE_GROUPS),
                         help=f"shape groups (default: {' '.join(DEFAULT_SHAPE_GROUPS)}; 'flux-adaln' is opt-in)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="linear-layer variants (bf16 is the baseline and always runs first)")
-    parser.add_argument("--step-variants", nargs="+", choices=STEP_VARIANTS, default=list(STEP_VARIANTS))
+    parser.add_argument("--step-variants", nargs="+", choices=linear_step.STEP_VARIANTS,
+                        default=list(linear_step.STEP_VARIANTS))
     parser.add_argument("--skip-transformer", action="store_true", help="linear layers only")
     parser.add_argument("--steps", type=int, default=5, help="timed transformer steps per variant")
     parser.add_argument("--budget-s", type=float, default=210.0,
@@ -657,7 +476,7 @@ def main(argv=None) -> int:
     step_rows = []
     if not args.skip_transformer:
         try:
-            step_rows = _run_transformer(budget, args.steps, list(args.step_variants))
+            step_rows = linear_step.run_transformer(budget, args.steps, list(args.step_variants))
         except Exception as exc:
             step_rows = [dict(variant="all", status=f"error: {type(exc).__name__}: {exc}".splitlines()[0][:400],
                               traceback=traceback.format_exc()[-3000:])]

@@ -63,32 +63,33 @@ import torch
 import torch.distributed as dist
 
 if __package__:  # imported as bench.<script> (the tests)
-    from bench import harness, pipeline
+    from bench import harness, pipeline, pipeline_models
     from bench import shapes as models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
     import pipeline
+    import pipeline_models
     import shapes as models
 
 
 #: bench/pipeline.py's models plus the sizes issue 11 scales: Flux at 2048x2048 and Wan at 720p
 SCALING_MODELS = {
-    **pipeline.MODELS,
+    **pipeline_models.MODELS,
     "flux-2048": dataclasses.replace(
-        pipeline.MODELS["flux"], key="flux-2048", name="flux1-dev-2048",
+        pipeline_models.MODELS["flux"], key="flux-2048", name="flux1-dev-2048",
         description="FLUX.1-dev shape, 2048x2048: 16384 image + 512 text tokens, 24 heads x 128, "
                     "19 + 38 blocks, guidance-distilled (1 forward / step)",
         warmup=2, iters=5, attention=(1, 24, 16896, 16896, 128), sizes=dict(side=128, text=512),
     ),
     "wan-720p": dataclasses.replace(
-        pipeline.MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
+        pipeline_models.MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
         description="Wan2.1-T2V-14B shape, 720x1280, 81 frames: 75,600 video tokens, 40 heads x 128, "
                     "40 blocks, 512 text tokens, CFG (2 forwards / step)",
         warmup=1, iters=3, attention=models.WAN_720P.self_attention(),
         sizes=dict(frames=21, height=90, width=160, text=512),
     ),
 }
-SMOKE_SCALING_MODELS = {**pipeline.SMOKE_MODELS, "flux-2048": pipeline.SMOKE_MODELS["flux"], "wan-720p": pipeline.SMOKE_MODELS["wan"]}
+SMOKE_SCALING_MODELS = {**pipeline_models.SMOKE_MODELS, "flux-2048": pipeline_models.SMOKE_MODELS["flux"], "wan-720p": pipeline_models.SMOKE_MODELS["wan"]}
 
 STRATEGIES = ("ulysses", "ring", "usp", "tp", "cfg", "cfg_ulysses")
 #: strategies timed as a true-CFG step (two transformer calls) against the CFG-step baseline
@@ -322,8 +323,8 @@ def main(argv=None) -> int:
     iters = spec.iters if args.iters is None else args.iters
 
     import omni_diffusion as od
-    model = pipeline.build_transformer(spec, device, dtype)
-    inputs = pipeline.make_inputs(spec, device, dtype)
+    model = pipeline_models.build_transformer(spec, device, dtype)
+    inputs = pipeline_models.make_inputs(spec, device, dtype)
     stack = dict(attention=args.attention, compile=args.compile, compile_backend=args.compile_backend,
                  quant=args.quant)
     if args.quant and device.type == "cpu":  # the smoke test: torch's CPU ops, not the interpreter
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     def forwards_per_call(target, call_inputs) -> int:
         """Transformer forwards this rank computes in one more (untimed) call of ``target``."""
         counter.calls = 0
-        pipeline.forward_once(target, call_inputs)
+        pipeline_models.forward_once(target, call_inputs)
         return counter.calls
 
     baselines: dict[str, float] = {}

@@ -24,10 +24,11 @@ from collections import defaultdict
 import torch
 
 if __package__:  # imported as bench.<script> (the tests)
-    from bench import harness, pipeline
+    from bench import harness, pipeline, pipeline_models
 else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
     import harness
     import pipeline
+    import pipeline_models
 
 
 #: kernel-name patterns, first match wins (cuBLAS/CUTLASS/cuDNN/Inductor naming on Hopper)
@@ -51,16 +52,16 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
-        pipeline.forward_once(model, inputs)
+        pipeline_models.forward_once(model, inputs)
     harness.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
-        pipeline.forward_once(model, inputs)
+        pipeline_models.forward_once(model, inputs)
     harness.synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3 / iters
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            pipeline.forward_once(model, inputs)
+            pipeline_models.forward_once(model, inputs)
         harness.synchronize(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
@@ -84,7 +85,7 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
 def markdown(env: dict, model_key: str, rows: dict) -> str:
     names = [g for g, _ in GROUPS]
     lines = [
-        f"# Where the step time goes: {pipeline.MODELS[model_key].name} ({env['device']})", "",
+        f"# Where the step time goes: {pipeline_models.MODELS[model_key].name} ({env['device']})", "",
         f"commit {env['git_commit']}, torch {env['torch']} (CUDA {env['cuda']}), "
         + ", ".join(f"{k} {v}" for k, v in env.get("packages", {}).items()) + f", {env['utc']}", "",
         f"command: `{env['command']}`", "",
@@ -108,7 +109,7 @@ def markdown(env: dict, model_key: str, rows: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(pipeline.MODELS), default="flux")
+    parser.add_argument("--model", choices=sorted(pipeline_models.MODELS), default="flux")
     parser.add_argument("--variants", nargs="+", choices=pipeline.VARIANTS, default=["omni_lossless", "omni_fp8"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
@@ -119,9 +120,9 @@ def main(argv=None) -> int:
         print("bench/pipeline_profile.py profiles CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), torch.bfloat16
-    spec = pipeline.MODELS[args.model]
-    model = pipeline.build_transformer(spec, device, dtype)
-    inputs = pipeline.make_inputs(spec, device, dtype)
+    spec = pipeline_models.MODELS[args.model]
+    model = pipeline_models.build_transformer(spec, device, dtype)
+    inputs = pipeline_models.make_inputs(spec, device, dtype)
     rows = {}
     for variant in args.variants:
         undo = None

@@ -92,7 +92,7 @@ def test_true_cfg_step_is_a_pipeline_for_cfg_parallelism(model):
     import inspect
 
     from bench.parallel_scaling import CFG_SCALE, negative_inputs, true_cfg_step
-    from bench.pipeline import SMOKE_MODELS, build_transformer, forward_once, make_inputs
+    from bench.pipeline_models import SMOKE_MODELS, build_transformer, forward_once, make_inputs
     from omni_diffusion.adapters import adapter_for
     from omni_diffusion.parallel.cfg_parallel import check_cfg_parallel
 
