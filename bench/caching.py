@@ -168,6 +168,8 @@ def measure(pipe, kind, args, reference=None, cache=None) -> tuple[dict, torch.T
         adherence=kind.adherence(outputs),
         load_average=[load_before, os.getloadavg()[0]],
     )
+    if cache is not None:  # the operating point omni ships (its default threshold for this kind)
+        row["omni_default"] = cache.threshold == od.CacheConfig(cache.kind).threshold
     if stats:
         passes = sum(s.passes for s in stats)
         blocks = sum(s.blocks_total for s in stats)

@@ -30,3 +30,17 @@ def test_readme_table_goes_between_the_markers():
     assert results_index.replace_between_markers(written, table) == written
     with pytest.raises(ValueError, match="markers"):
         results_index.replace_between_markers("# no markers\n", table)
+
+
+def test_caching_headline_names_a_shippable_operating_point():
+    """The caching headline takes the row the record marks as omni's default; without one, the
+    fastest row that keeps the uncached adherence (not the fastest at any quality)."""
+    rows = [dict(config="reference", threshold=None, speedup=1.0, adherence=0.96),
+            dict(config="teacache", threshold=0.25, speedup=3.3, adherence=0.97, psnr_db=26.7),
+            dict(config="teacache", threshold=0.5, speedup=3.8, adherence=0.95, psnr_db=21.9)]
+    data = dict(environment=dict(kind="video"), results=rows)
+    figure, peer = results_index._caching(data)
+    assert figure == "video: teacache 0.25: 3.30x uncached, PSNR 26.7 dB, adherence 0.97 (uncached 0.96)"
+    assert peer == "uncached"
+    rows[2]["omni_default"] = True
+    assert results_index._caching(data)[0] == "video: teacache 0.5 (omni's default): 3.80x uncached, PSNR 21.9 dB"
