@@ -10,7 +10,7 @@ first 1024 queries, all keys). It prints a table of TFLOP/s
 everything to ``<out>/attention_tune.json`` (rewritten after every row, so a
 crash keeps what was measured).
 
-Usage (on the H200; about 2-3 minutes, most of it Triton compiles)::
+Usage (on a GPU; most of the time is Triton compiles)::
 
     PYTHONPATH=. python3 bench/attention_tune.py   # or --out DIR
 
@@ -63,7 +63,7 @@ SHAPES = {
 DEFAULT_SHAPES = ("flux", "sd35", "wan480")
 
 C = AttentionConfig
-# Focused candidates (the best of a wider sweep, EXPLORE_CONFIGS, on an H200):
+# Focused candidates (the best of a wider sweep, EXPLORE_CONFIGS, on Hopper):
 # BLOCK_M=128 / 8 warps (two consumer warpgroups of 64 rows) with BLOCK_N
 # 64/128, 2-4 stages, TMA or cp.async loads; a register-capped variant (two
 # CTAs per SM); the source-pipelined Q K^T; narrow key blocks for D=256.

@@ -2,12 +2,11 @@
 """Launch settings of omni's weight-only Triton GEMV at Flux's adaLN modulation shapes.
 
 :func:`omni_kernels.quant.triton_gemv.launch_weight_only_gemv` (``y = x @ (w_q * w_scale)^T +
-bias``, ``M <= 16`` rows, INT8 or FP8 e4m3 weights) was measured slower than bf16 cuBLAS at
-Flux's modulation linears on an H200 (bench/results/linear/linear-flux-adaln_nvidia-h200_20261130.md:
-116 us INT8 and 66 us FP8 against 42 us bf16 at M=1, 3072 -> 18432), where reading half the
-bytes should make it faster (~19 us at 3 TB/s). This sweeps the launcher's knobs on the same
-inputs in one process, for each shape (``flux-adaln-double`` 3072 -> 18432,
-``flux-adaln-single`` 3072 -> 9216), weight dtype (INT8, FP8) and row count (M = 1, 2):
+bias``, ``M <= 16`` rows, INT8 or FP8 e4m3 weights) reads half the bytes of bf16 cuBLAS at
+Flux's modulation linears, yet the linear records (bench/results/INDEX.md) found it slower there.
+This sweeps the launcher's knobs on the same inputs in one process, for each shape
+(``flux-adaln-double`` 3072 -> 18432, ``flux-adaln-single`` 3072 -> 9216), weight dtype (INT8,
+FP8) and row count (M = 1, 2):
 
 * ``bf16``: ``F.linear`` on the unquantized bf16 weight (cuBLAS), the baseline;
 * ``default``: the launcher without knobs (the reference every setting's output is checked
@@ -26,8 +25,8 @@ inputs in one process, for each shape (``flux-adaln-double`` 3072 -> 18432,
   ``split_k``), capped at ``--refine-cap``.
 
 Kernels are compiled first, in ``--jobs`` worker processes (into Triton's on-disk cache, which
-the timing process then loads), so the whole default sweep (8 cases, ~50 settings each) should
-take about a minute on an H200 (16 CPU cores). Median of ``triton.testing.do_bench`` (L2
+the timing process then loads) and the default sweep (8 cases, ~50 settings each) stays
+short. Median of ``triton.testing.do_bench`` (L2
 flushed before each call), launched outside ``torch.library.wrap_triton``'s tracing path (as the op's eager and
 Inductor-generated calls are). ``weight GB/s``: bytes of the weight (8-bit, or bf16 for the
 baseline) over the median. ``host us``: the launcher's CPU time a call; where it exceeds the
@@ -129,8 +128,7 @@ REFINE_CAP = 20
 # Outputs this close (relative L2) to the default's are the same result.
 SAME_REL_L2 = 1e-5
 # 16-bit outputs this close are the same sums in another order: rounding apart by one step
-# everywhere is ~2e-3, and a few steps in values near zero (cancellation) far less (the tl.dot
-# settings measured 7e-5 with 5 steps on the H200).
+# everywhere is ~2e-3, and a few steps in values near zero (cancellation) far less.
 SUMMATION_ORDER_REL_L2 = 2.0**-10
 
 

@@ -13,7 +13,7 @@
    ``parallelize_vae(vae, group, "spatial")`` on a one-rank NCCL group (causal convs assemble
    cached frames + input + zero halo rows into one pre-padded buffer with ``halo_assemble``, no
    communication): time (median of ``--repeats``), peak memory, and the largest difference of
-   the outputs. ``--frames 21`` keeps the run short (about a minute in all on an H200).
+   the outputs. ``--frames 21`` keeps the run short.
 
 Output: ``<out-dir>/halo_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is printed last.
 

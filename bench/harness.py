@@ -269,9 +269,9 @@ def write_record(out_dir: Path, stem: str, payload: dict, markdown: str | None, 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / stem
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    if markdown is not None:
-        path.with_suffix(".md").write_text(markdown.rstrip("\n") + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    if markdown is not None:  # (a stem may hold dots: no with_suffix)
+        (out_dir / f"{stem}.md").write_text(markdown.rstrip("\n") + "\n")
     if not quiet:
         print(f"wrote {path}.json" + ("" if markdown is None else " and .md"), file=sys.stderr)
     return path

@@ -59,7 +59,7 @@ each output against the bf16 step, model memory and peak memory of a step.
 Output: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
 printed last. The transformer step runs first; ``--budget-s`` (default 210) stops
 optional measurements (the extra linear variants, the INT8 step) and ``--hard-budget-s``
-(default 270) every measurement, so one run stays under 5 minutes on an H200; what was
+(default 270) every measurement, so one run stays within a device call's limit; what was
 skipped is recorded.
 
     python3 bench/linear.py [--shapes flux wan] [--skip-transformer] [--out-dir DIR]

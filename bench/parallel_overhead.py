@@ -56,7 +56,7 @@ def _paired_times(run, install, pairs: int, warmup: int, cuda: bool) -> dict[str
 
     Each pair times one plain forward and one with ``install()``'s hooks in place, the order
     swapped every pair, so drift in clocks or in the host's load lands on both sides alike
-    (medians of separate rounds swung by +-25% on the H200's host at launch-bound sizes).
+    (medians of separate rounds swing far more than the overhead at launch-bound sizes).
     ``plain_b`` is a second plain forward in each pair: the plain-vs-plain spread is the
     noise floor the overhead is read against.
     """

@@ -75,8 +75,7 @@ against (a) on the same inputs, and the peak GPU memory. Random weights say
 nothing about image quality: caching is not measured here (it is judged on a
 trained model).
 
-Targets (issue 6): Flux step <= 90 ms for (d) (vanilla eager 171 ms, compiled
-134 ms on the H200 per shared/ANCHORS.md); Wan step >= 1.5x (a) for (e).
+Targets (issue 6): Flux step <= 90 ms for (d); Wan step >= 1.5x (a) for (e).
 
 Output: ``<out-dir>/pipeline_<device>_<YYYYMMDD>.json`` and ``.md`` (``pipeline-<models>_...``
 when only some models run) with the commit, device, versions and the command;

@@ -3,9 +3,9 @@
 
 :func:`omni_kernels.quant.quantize_activated_per_token`'s Triton kernel quantizes the input of
 every layer that reads a GELU (a DiT's MLP down projection; Flux's single blocks' ``proj_out``,
-whose attention half comes in through ``prefix``). In the compiled FP8 Flux step on an H200 it
-moved ~2 TB/s (bench/results/pipeline-profile/pipeline-profile-flux-*_20261130.md: 6.4 ms for 76 calls). This
-times, on the same inputs in one process, each setting the launcher offers:
+whose attention half comes in through ``prefix``; its share of the compiled FP8 Flux step is in
+the pipeline-profile records of bench/results/INDEX.md). This times, on the same inputs in one
+process, each setting the launcher offers:
 
 * ``tile``: the row in one register tile (the default for rows up to ``MAX_TILE``), with the
   warp counts 4, 8 (default), 16 and 32, keeping the activated row (``keep``) or only the
