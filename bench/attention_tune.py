@@ -7,7 +7,7 @@ backends, with ``triton.testing.do_bench(return_mode="median")``. Each omni
 config's output is checked against fp32 SDPA math on a subset (2 heads, the
 first 1024 queries, all keys). It prints a table of TFLOP/s
 (``4*B*H*Sq*Skv*D / t``, halved for causal) with the ratio to cuDNN, and writes
-everything to ``<out>/attention_tune.json`` (rewritten after every row, so a
+everything to ``<out>/attention_tune_<device>_<date>.json`` (rewritten after every row, so a
 crash keeps what was measured).
 
 Usage (on a GPU; most of the time is Triton compiles)::
