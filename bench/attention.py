@@ -24,7 +24,7 @@ shape with the constraint it violates; the run goes on.
   activations (``reference.dit_like_qkv``: outlier channels in Q and K, a K bias): on randn the
   FP8 kernels sit at FP8's floor for zero-mean V (~4e-2 rel err), on DiT-like inputs they show
   their real error; a power-capped GPU also clocks lower on them. Output files get ``-dit``.
-* GPU clock and power: ``nvidia-smi`` samples (``_gpu_telemetry.py``) while each row is timed,
+* GPU clock and power: ``nvidia-smi`` samples (``gpu_telemetry.py``) while each row is timed,
   for rows timed long enough (the video shapes): an H200 at its 700 W cap lowers the clock, and
   there a speed ratio between two capped kernels is a ratio of their energy per unit of work.
 
@@ -65,12 +65,15 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
-from _gpu_telemetry import GpuTelemetry  # noqa: E402
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import gpu_telemetry, harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import gpu_telemetry
+    import harness
+    import shapes as models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -88,21 +91,20 @@ class Shape:
         return 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
 
 
+def _self_attention(model: models.Model) -> Shape:
+    return Shape(model.name, model.note, 1, model.heads, model.tokens, model.tokens, model.head_dim)
+
+
+_WAN = models.WAN_480P
 SHAPES = {
-    "flux": Shape("flux-1024", "Flux.1 1024x1024: 4096 image + 512 text tokens, 24 heads x 128",
-                  1, 24, 4608, 4608, 128),
-    "sd35": Shape("sd3.5-1024", "SD3.5 Large 1024x1024: 4096 image + 333 text tokens, 38 heads x 64",
-                  1, 38, 4429, 4429, 64),
-    "qwen": Shape("qwen-image-1328", "Qwen-Image 1328x1328: 6889 image + 512 text tokens, 24 heads x 128",
-                  1, 24, 7401, 7401, 128),
-    "wan480": Shape("wan2.1-14b-480p", "Wan2.1-14B 480p 81 frames: 32760 tokens, 40 heads x 128",
-                    1, 40, 32760, 32760, 128),
-    "wan720": Shape("wan2.1-14b-720p", "Wan2.1-14B 720p 81 frames: 75600 tokens, 40 heads x 128",
-                    1, 40, 75600, 75600, 128),
-    "wancross": Shape("wan2.1-14b-cross", "Wan2.1-14B 480p cross-attention: 32760 queries x 512 text keys",
-                      1, 40, 32760, 512, 128),
-    "hunyuan": Shape("hunyuanvideo-720p", "HunyuanVideo 720p 129 frames: 119040 tokens, 24 heads x 128",
-                     1, 24, 119040, 119040, 128),
+    "flux": _self_attention(models.FLUX),
+    "sd35": _self_attention(models.SD35),
+    "qwen": _self_attention(models.QWEN_IMAGE),
+    "wan480": _self_attention(_WAN),
+    "wan720": _self_attention(models.WAN_720P),
+    "wancross": Shape("wan2.1-14b-cross", f"Wan2.1-14B 480p cross-attention: {_WAN.tokens} queries x "
+                      f"{models.TEXT_TOKENS} text keys", 1, _WAN.heads, _WAN.tokens, models.TEXT_TOKENS, _WAN.head_dim),
+    "hunyuan": _self_attention(models.HUNYUAN_720P),
 }
 
 DEFAULT_BACKENDS = (
@@ -309,7 +311,7 @@ def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):
             if ref is not None:
                 row["rel_err"] = _relative_error(out, ref)
             del out
-            with GpuTelemetry(q.device) as telemetry:
+            with gpu_telemetry.GpuTelemetry(q.device) as telemetry:
                 ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
             row["median_ms"] = ms
             gpu = telemetry.summary()
@@ -343,7 +345,7 @@ _PEER_DISTRIBUTIONS = ("triton", "diffusers", "flash-attn", "flash-attn-3", "fla
 
 
 def _environment() -> dict:
-    return base_environment(_PEER_DISTRIBUTIONS)
+    return harness.base_environment(_PEER_DISTRIBUTIONS)
 
 
 def _cell(row) -> str:
@@ -539,7 +541,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/attention.py")
+    refusal = harness.gpu_refusal("bench/attention.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -603,7 +605,7 @@ def main(argv=None) -> int:
     crossovers = lossy_crossovers(shapes, rows, lossy_names) if args.lossy_sweep else {}
     kind = ("attention-lossy-sweep" if args.lossy_sweep else "attention") + (
         "" if args.inputs == "randn" else f"-{args.inputs}")
-    stem = f"{kind}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"{kind}_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.write_auto_table:
         path = args.auto_table_path

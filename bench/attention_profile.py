@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import attention as attention_bench
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import attention as attention_bench
 
-from bench.attention import DTYPES, SHAPES, _make_inputs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True, help="a registered attention backend name")
-    parser.add_argument("--shape", choices=list(SHAPES), default="flux")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--shape", choices=list(attention_bench.SHAPES), default="flux")
+    parser.add_argument("--dtype", choices=sorted(attention_bench.DTYPES), default="bf16")
     parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     parser.add_argument("--calls", type=int, default=3, help="launches (>= 2: the first one warms up)")
     args = parser.parse_args(argv)
@@ -50,8 +51,8 @@ def main(argv=None) -> int:
         return 2
     from omni_kernels.attention import attention
 
-    shape = SHAPES[args.shape]
-    q, k, v = _make_inputs(shape, DTYPES[args.dtype], args.layout, seed=0)
+    shape = attention_bench.SHAPES[args.shape]
+    q, k, v = attention_bench._make_inputs(shape, attention_bench.DTYPES[args.dtype], args.layout, seed=0)
     times = []
     for _ in range(args.calls):
         torch.cuda.synchronize()

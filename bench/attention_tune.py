@@ -29,29 +29,36 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
-
-from omni_kernels.attention.triton_flash import (  # noqa: E402
+from omni_kernels.attention.triton_flash import (
     AttentionConfig,
     default_config,
     flash_attention_forward,
     kernel_resource_usage,
 )
 
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import shapes as models
+
 # name: (B, H, Sq, Skv, D, causal, layout)
+def _self_attention(model: models.Model, causal: bool = False, layout: str = "bhsd") -> tuple:
+    return 1, model.heads, model.tokens, model.tokens, model.head_dim, causal, layout
+
+
+_WAN = models.WAN_480P
 SHAPES = {
-    "flux": (1, 24, 4608, 4608, 128, False, "bhsd"),
-    "sd35": (1, 38, 4429, 4429, 64, False, "bhsd"),
-    "wan480": (1, 40, 32760, 32760, 128, False, "bhsd"),
+    "flux": _self_attention(models.FLUX),
+    "sd35": _self_attention(models.SD35),
+    "wan480": _self_attention(_WAN),
     # extras, not run by default
-    "wan_cross": (1, 40, 32760, 512, 128, False, "bhsd"),
-    "flux_causal": (1, 24, 4608, 4608, 128, True, "bhsd"),
-    "flux_bshd": (1, 24, 4608, 4608, 128, False, "bshd"),
+    "wan_cross": (1, _WAN.heads, _WAN.tokens, models.TEXT_TOKENS, _WAN.head_dim, False, "bhsd"),
+    "flux_causal": _self_attention(models.FLUX, causal=True),
+    "flux_bshd": _self_attention(models.FLUX, layout="bshd"),
     "d256": (1, 16, 4096, 4096, 256, False, "bhsd"),
 }
 DEFAULT_SHAPES = ("flux", "sd35", "wan480")

@@ -46,15 +46,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
-from bench._environment import REPO_ROOT, base_environment  # noqa: E402
 
 DEFAULT_THRESHOLDS = {"first_block": [0.05, 0.1, 0.2], "teacache": [0.1, 0.25, 0.5]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else harness.REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", choices=("image", "video"), default="image", help="which embedded model")
     parser.add_argument("--n", type=int, default=100, help="images (clips) per configuration (digits 0..9 in turn)")
@@ -260,7 +262,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     for row in rows:
         row["speedup"] = reference_row["ms_per_image"] / row["ms_per_image"]
     loads = [x for r in rows for x in r["load_average"]]
-    environment = dict(base_environment(("diffusers", "transformers", "scikit-learn")),
+    environment = dict(harness.base_environment(("diffusers", "transformers", "scikit-learn")),
                        threads=args.threads, images=args.n, seed=args.seed, steps=steps,
                        load_average_range=[min(loads), max(loads)], kind=args.kind,
                        model=("embedded video (digits WanPipeline)" if args.kind == "video"

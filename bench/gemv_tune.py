@@ -3,7 +3,7 @@
 
 :func:`omni_kernels.quant.triton_gemv.launch_weight_only_gemv` (``y = x @ (w_q * w_scale)^T +
 bias``, ``M <= 16`` rows, INT8 or FP8 e4m3 weights) was measured slower than bf16 cuBLAS at
-Flux's modulation linears on an H200 (bench/results/linear-flux-adaln_nvidia-h200_20261130.md:
+Flux's modulation linears on an H200 (bench/results/linear/linear-flux-adaln_nvidia-h200_20261130.md:
 116 us INT8 and 66 us FP8 against 42 us bf16 at M=1, 3072 -> 18432), where reading half the
 bytes should make it faster (~19 us at 3 TB/s). This sweeps the launcher's knobs on the same
 inputs in one process, for each shape (``flux-adaln-double`` 3072 -> 18432,
@@ -56,11 +56,13 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
-from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
-from bench._environment import host_us as _host_us  # noqa: E402
-from bench._environment import padded_us as _padded_us  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,10 @@ class Shape:
 
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-adaln-double", 3072, 18432, "Flux.1 transformer_blocks.*.norm1(_context).linear"),
-        Shape("flux-adaln-single", 3072, 9216, "Flux.1 single_transformer_blocks.*.norm.linear"),
+        Shape("flux-adaln-double", models.FLUX.width, models.FLUX_ADALN["double"],
+              "Flux.1 transformer_blocks.*.norm1(_context).linear"),
+        Shape("flux-adaln-single", models.FLUX.width, models.FLUX_ADALN["single"],
+              "Flux.1 single_transformer_blocks.*.norm.linear"),
         Shape("tiny", 256, 96, "smoke test"),
     )
 }
@@ -455,9 +459,9 @@ class CaseRun:
         return row
 
     def _timed(self, fn, weight_bytes: int) -> dict:
-        us = median_us(fn, warmup=5, rep=self.rep_ms)
+        us = harness.median_us(fn, warmup=5, rep=self.rep_ms)
         return dict(us=us, gbps=weight_bytes / us / 1e3, vs_bf16=self.bf16_us / us if self.bf16_us else None,
-                    host_us=_host_us(fn))
+                    host_us=harness.host_us(fn))
 
     def baselines(self) -> None:
         import torch.nn.functional as F
@@ -535,7 +539,7 @@ class CaseRun:
                                                                 **ranked[0].options())
         for row in self.rows:
             if row["setting"] in calls and row.get("us"):
-                row["padded_us"] = _padded_us(calls[row["setting"]], row.get("host_us") or 0.0)
+                row["padded_us"] = harness.padded_us(calls[row["setting"]], row.get("host_us") or 0.0)
 
 
 def best_rows(rows: list[dict]) -> list[dict]:
@@ -629,12 +633,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    refusal = gpu_refusal("bench/gemv_tune.py")
+    refusal = harness.gpu_refusal("bench/gemv_tune.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
     start = time.monotonic()
-    env = base_environment(("triton",))
+    env = harness.base_environment(("triton",))
     sm_count = _sm_count()
     cases = [Case(SHAPES[s], w, m) for s in args.shapes for w in args.weights for m in args.rows]
     runs = [CaseRun(case, args.seed, args.rep_ms) for case in cases]
@@ -670,7 +674,7 @@ def main(argv=None) -> int:
     grid = dict(coarse_plan=COARSE_PLAN, coarse_cap=args.coarse_cap, refine_top=args.refine_top,
                 refine_cap=args.refine_cap, sm_count=sm_count, rep_ms=args.rep_ms, seed=args.seed)
     table = markdown(env, rows, flush_us)
-    stem = write_results(args.out_dir, f"gemv_tune{tag}", env, dict(
+    stem = harness.write_results(args.out_dir, f"gemv_tune{tag}", env, dict(
         environment=env, grid=grid, flush_us=flush_us, elapsed_s=time.monotonic() - start,
         cases=[dict(shape=asdict(run.case.shape), weight=run.case.weight, m=run.case.rows) for run in runs],
         results=rows), table)

@@ -34,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug  # noqa: E402  (bench/ is on sys.path)
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 H200_COPY_BYTES_PER_S = 4.3e12  # measured HBM copy rate (shared/ANCHORS.md)
 # (name, channels, height, width) of the Wan2.1 decoder's feature maps at 720p; 4 frames per
@@ -215,12 +216,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/halo.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    env = base_environment()
+    env = harness.base_environment()
     dtype = torch.bfloat16
     kernel_rows = bench_kernels(dtype)
     decode_rows = [] if args.skip_decode else bench_decode(dtype, args.frames, args.repeats)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"halo_{device_slug(env['device'], empty='cpu')}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"halo_{harness.device_slug(env['device'], empty='cpu')}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(
         dict(environment=env, kernels=kernel_rows, decode=decode_rows), indent=2,
         default=str) + "\n")

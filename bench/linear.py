@@ -85,11 +85,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _environment import base_environment, device_slug, gpu_refusal, host_us, padded_us  # noqa: E402  (bench/ is on sys.path)
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -104,24 +107,26 @@ class LinearShape:
     after_gelu: bool = False
 
 
+def _transformer_linears(prefix: str, note: str, model: models.Model, mlp: str) -> list[LinearShape]:
+    """The attention projections, the MLP up and the MLP down (after a GELU) of ``model``."""
+    m, width, ffn = model.tokens, model.width, model.ffn
+    return [
+        LinearShape(f"{prefix}-{width}x{width}", f"{note} (attention projections)", m, width, width),
+        LinearShape(f"{prefix}-{width}x{ffn}", f"{note} ({mlp} up)", m, width, ffn),
+        LinearShape(f"{prefix}-{ffn}x{width}", f"{note} ({mlp} down)", m, ffn, width, after_gelu=True),
+    ]
+
+
 SHAPES = {
-    "flux": [
-        LinearShape("flux-3072x3072", "Flux.1 1024^2 (attention projections)", 4608, 3072, 3072),
-        LinearShape("flux-3072x12288", "Flux.1 1024^2 (MLP up)", 4608, 3072, 12288),
-        LinearShape("flux-12288x3072", "Flux.1 1024^2 (MLP down)", 4608, 12288, 3072, after_gelu=True),
-    ],
-    "wan": [
-        LinearShape("wan14b-5120x5120", "Wan2.1-14B 720p 81f (attention projections)", 75600, 5120, 5120),
-        LinearShape("wan14b-5120x13824", "Wan2.1-14B 720p 81f (FFN up)", 75600, 5120, 13824),
-        LinearShape("wan14b-13824x5120", "Wan2.1-14B 720p 81f (FFN down)", 75600, 13824, 5120,
-                    after_gelu=True),
-    ],
+    "flux": _transformer_linears("flux", "Flux.1 1024^2", models.FLUX, "MLP"),
+    "wan": _transformer_linears("wan14b", "Wan2.1-14B 720p 81f", models.WAN_720P, "FFN"),
     # Opt-in (not in DEFAULT_SHAPE_GROUPS): one row per sample, a GEMV bound by the weight read.
     "flux-adaln": [
-        LinearShape(f"flux-adaln-{kind}-M{m}", f"Flux.1 adaLN modulation ({where}), batch {m}", m, 3072, n)
-        for kind, where, n in (
-            ("double", "transformer_blocks.*.norm1(_context).linear", 18432),
-            ("single", "single_transformer_blocks.*.norm.linear", 9216),
+        LinearShape(f"flux-adaln-{kind}-M{m}", f"Flux.1 adaLN modulation ({where}), batch {m}", m,
+                    models.FLUX.width, models.FLUX_ADALN[kind])
+        for kind, where in (
+            ("double", "transformer_blocks.*.norm1(_context).linear"),
+            ("single", "single_transformer_blocks.*.norm.linear"),
         )
         for m in (1, 2)
     ],
@@ -316,8 +321,8 @@ def _run_linear_shape(shape: LinearShape, variants, seed: int, budget: _Budget, 
                 row["round_medians_us"] = [_bench(call)]
                 # do_bench's figure includes host time when a call's launches outlast its kernels
                 # (a shared machine's slow host): the padded GPU time separates the two.
-                row["host_us"] = host_us(call)
-                row["padded_us"] = padded_us(call, row["host_us"])
+                row["host_us"] = harness.host_us(call)
+                row["padded_us"] = harness.padded_us(call, row["host_us"])
             row["status"] = "ok"
             timed_calls.append((row, call, is_layer))
         except _Unavailable as exc:
@@ -650,12 +655,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/linear.py")
+    refusal = harness.gpu_refusal("bench/linear.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
     budget = _Budget(args.budget_s, args.hard_budget_s)
-    env = base_environment(("triton", "diffusers", "torchao"))
+    env = harness.base_environment(("triton", "diffusers", "torchao"))
     capability = torch.cuda.get_device_capability()
     variants = ["bf16"] + [v for v in args.variants if v != "bf16"]
     if capability < (8, 9):
@@ -688,7 +693,7 @@ def main(argv=None) -> int:
     env["cublaslt_plans"] = fp8_gemm_plans()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"linear_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"linear_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, linear=linear_rows, transformer_step=step_rows), indent=2,
                    default=str) + "\n"

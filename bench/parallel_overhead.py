@@ -33,9 +33,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
-from bench._environment import base_environment  # noqa: E402
 
 
 def _forward_times(fn, cuda: bool) -> tuple[float, float]:
@@ -249,7 +251,7 @@ def main() -> int:
               f"{extra or 'none'}", flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = dict(benchmark="parallel_overhead", environment=base_environment(), rows=rows,
+    record = dict(benchmark="parallel_overhead", environment=harness.base_environment(), rows=rows,
                   args=vars(args))
     (out_dir / "parallel_overhead.json").write_text(json.dumps(record, indent=2))
     env = record["environment"]

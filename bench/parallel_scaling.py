@@ -53,6 +53,7 @@ baseline's. Rank 0 writes ``parallel_scaling_<model>_x<N>_<device>_<date>.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import inspect
 import json
@@ -64,45 +65,33 @@ import torch
 import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness, pipeline
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import pipeline
+    import shapes as models
 
-import dataclasses  # noqa: E402
-
-from bench._environment import (  # noqa: E402
-    base_environment,
-    device_slug,
-    gather_from_ranks,
-    init_torchrun_process_group,
-)
-from bench.pipeline import (  # noqa: E402
-    MODELS,
-    SMOKE_MODELS,
-    build_transformer,
-    forward_once,
-    make_inputs,
-    relative_error,
-    time_variant,
-)
 
 #: bench/pipeline.py's models plus the sizes issue 11 scales: Flux at 2048x2048 and Wan at 720p
 SCALING_MODELS = {
-    **MODELS,
+    **pipeline.MODELS,
     "flux-2048": dataclasses.replace(
-        MODELS["flux"], key="flux-2048", name="flux1-dev-2048",
+        pipeline.MODELS["flux"], key="flux-2048", name="flux1-dev-2048",
         description="FLUX.1-dev shape, 2048x2048: 16384 image + 512 text tokens, 24 heads x 128, "
                     "19 + 38 blocks, guidance-distilled (1 forward / step)",
         warmup=2, iters=5, attention=(1, 24, 16896, 16896, 128), sizes=dict(side=128, text=512),
     ),
     "wan-720p": dataclasses.replace(
-        MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
+        pipeline.MODELS["wan"], key="wan-720p", name="wan2.1-14b-720p-81f",
         description="Wan2.1-T2V-14B shape, 720x1280, 81 frames: 75,600 video tokens, 40 heads x 128, "
                     "40 blocks, 512 text tokens, CFG (2 forwards / step)",
-        warmup=1, iters=3, attention=(1, 40, 75600, 75600, 128),
+        warmup=1, iters=3, attention=models.WAN_720P.self_attention(),
         sizes=dict(frames=21, height=90, width=160, text=512),
     ),
 }
-SMOKE_SCALING_MODELS = {**SMOKE_MODELS, "flux-2048": SMOKE_MODELS["flux"], "wan-720p": SMOKE_MODELS["wan"]}
+SMOKE_SCALING_MODELS = {**pipeline.SMOKE_MODELS, "flux-2048": pipeline.SMOKE_MODELS["flux"], "wan-720p": pipeline.SMOKE_MODELS["wan"]}
 
 STRATEGIES = ("ulysses", "ring", "usp", "tp", "cfg", "cfg_ulysses")
 #: strategies timed as a true-CFG step (two transformer calls) against the CFG-step baseline
@@ -240,7 +229,7 @@ def _measures(strategy: str) -> str:
 
 
 def _median_ms(model, inputs, warmup: int, iters: int, device: torch.device) -> tuple[float, torch.Tensor]:
-    timing, out = time_variant(model, inputs, warmup, iters, device)
+    timing, out = pipeline.time_variant(model, inputs, warmup, iters, device)
     return timing["forward_ms"], out
 
 
@@ -327,7 +316,7 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc_per_node 2 bench/parallel_scaling.py", file=sys.stderr)
         return 2
-    device = init_torchrun_process_group(cpu=args.smoke)
+    device = harness.init_torchrun_process_group(cpu=args.smoke)
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = (SMOKE_SCALING_MODELS if args.smoke else SCALING_MODELS)[args.model]
@@ -336,8 +325,8 @@ def main(argv=None) -> int:
     iters = spec.iters if args.iters is None else args.iters
 
     import omni_diffusion as od
-    model = build_transformer(spec, device, dtype)
-    inputs = make_inputs(spec, device, dtype)
+    model = pipeline.build_transformer(spec, device, dtype)
+    inputs = pipeline.make_inputs(spec, device, dtype)
     stack = dict(attention=args.attention, compile=args.compile, compile_backend=args.compile_backend,
                  quant=args.quant)
     if args.quant and device.type == "cpu":  # the smoke test: torch's CPU ops, not the interpreter
@@ -355,7 +344,7 @@ def main(argv=None) -> int:
     def forwards_per_call(target, call_inputs) -> int:
         """Transformer forwards this rank computes in one more (untimed) call of ``target``."""
         counter.calls = 0
-        forward_once(target, call_inputs)
+        pipeline.forward_once(target, call_inputs)
         return counter.calls
 
     baselines: dict[str, float] = {}
@@ -391,15 +380,15 @@ def main(argv=None) -> int:
         try:
             _reset_peak(device)
             ms, out = _median_ms(target, call_inputs, warmup, iters, device)
-            times = gather_from_ranks(ms, world)
-            peaks = gather_from_ranks(_peak_gib(device), world)
-            forwards = gather_from_ranks(forwards_per_call(target, call_inputs), world)
+            times = harness.gather_from_ranks(ms, world)
+            peaks = harness.gather_from_ranks(_peak_gib(device), world)
+            forwards = harness.gather_from_ranks(forwards_per_call(target, call_inputs), world)
         finally:
             od.undo(target)
             dist.barrier()
         if rank == 0:
             slowest = max(t for t in times if t is not None)
-            rel = relative_error(out, references[measures])
+            rel = pipeline.relative_error(out, references[measures])
             speedup = baselines[measures] / slowest
             rows.append(dict(strategy=strategy, measures=measures, config=described, status="ok",
                              ms=round(slowest, 3), baseline_ms=round(baselines[measures], 3), rank_ms=times,
@@ -409,9 +398,9 @@ def main(argv=None) -> int:
                   f"efficiency {speedup / world:.0%}, rel err {rel:.1e}", flush=True)
 
     if rank == 0:
-        env = base_environment()
+        env = harness.base_environment()
         date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
-        slug = "cpu" if not cuda else device_slug(torch.cuda.get_device_name(device))
+        slug = "cpu" if not cuda else harness.device_slug(torch.cuda.get_device_name(device))
         tags = ("-smoke" if args.smoke else "") + ("-compile" if args.compile else "") + (f"-{args.quant}" if args.quant else "")
         stem = f"parallel_scaling_{spec.key}{tags}_x{world}_{slug}_{date}"
         args.out_dir.mkdir(parents=True, exist_ok=True)

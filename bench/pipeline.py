@@ -105,10 +105,13 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
-from bench._environment import base_environment, device_slug, gpu_refusal  # noqa: E402
 
 VARIANTS = ("eager", "diffusers_compile", "omni_lossless", "omni_fp8_unfused", "omni_fp8", "omni_fp8_kernel_quant",
             "omni_fp8_split_quant", "omni_fp8_unfolded", "omni_fp8_cuda_graphs", "omni_fp8_diffusers_norm_rope",
@@ -180,7 +183,7 @@ MODELS = {
                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                     pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
         forwards_per_step=1, warmup=3, iters=10,
-        attention=(1, 24, 4608, 4608, 128),
+        attention=models.FLUX.self_attention(),
         sizes=dict(side=64, text=512),  # 1024 px / 8 (VAE) / 2 (2x2 packing)
     ),
     "wan": ModelSpec(
@@ -194,7 +197,7 @@ MODELS = {
                     num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                     rope_max_seq_len=1024),
         forwards_per_step=2, warmup=1, iters=3,
-        attention=(1, 40, 32760, 32760, 128),
+        attention=models.WAN_480P.self_attention(),
         sizes=dict(frames=21, height=60, width=104, text=512),
     ),
 }
@@ -657,7 +660,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = None if args.smoke else gpu_refusal("bench/pipeline.py")
+    refusal = None if args.smoke else harness.gpu_refusal("bench/pipeline.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -668,7 +671,7 @@ def main(argv=None) -> int:
         return 2
     # "eager" is the reference of every other row: always run it first.
     variants = ["eager"] + [v for v in args.variants if v != "eager"]
-    env = base_environment(("triton", "diffusers", "sageattention", "cache-dit"))
+    env = harness.base_environment(("triton", "diffusers", "sageattention", "cache-dit"))
     dtype = getattr(torch, args.dtype)
     env.update(dtype=args.dtype, compile_backend=args.compile_backend)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
@@ -680,7 +683,7 @@ def main(argv=None) -> int:
     subset = "" if sorted(args.models) == sorted(MODELS) else "-" + "-".join(args.models)
     if args.smoke:
         subset += "-smoke"
-    stem = f"pipeline{subset}_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"pipeline{subset}_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def write_report(models_left: list[str]) -> str:

@@ -26,20 +26,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness, pipeline
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import pipeline
 
-from bench._environment import base_environment, device_slug  # noqa: E402
-from bench.pipeline import (  # noqa: E402
-    MODELS,
-    VARIANT_LABELS,
-    VARIANTS,
-    Skip,
-    apply_variant,
-    build_transformer,
-    forward_once,
-    make_inputs,
-    synchronize,
-)
 
 #: kernel-name patterns, first match wins (cuBLAS/CUTLASS/cuDNN/Inductor naming on Hopper)
 GROUPS = (
@@ -62,17 +54,17 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
-        forward_once(model, inputs)
-    synchronize(device)
+        pipeline.forward_once(model, inputs)
+    pipeline.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
-        forward_once(model, inputs)
-    synchronize(device)
+        pipeline.forward_once(model, inputs)
+    pipeline.synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3 / iters
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            forward_once(model, inputs)
-        synchronize(device)
+            pipeline.forward_once(model, inputs)
+        pipeline.synchronize(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
@@ -95,7 +87,7 @@ def profile_variant(model, inputs, device, warmup: int, iters: int) -> dict:
 def markdown(env: dict, model_key: str, rows: dict) -> str:
     names = [g for g, _ in GROUPS]
     lines = [
-        f"# Where the step time goes: {MODELS[model_key].name} ({env['device']})", "",
+        f"# Where the step time goes: {pipeline.MODELS[model_key].name} ({env['device']})", "",
         f"commit {env['git_commit']}, torch {env['torch']} (CUDA {env['cuda']}), "
         + ", ".join(f"{k} {v}" for k, v in env.get("packages", {}).items()) + f", {env['utc']}", "",
         f"command: `{env['command']}`", "",
@@ -105,22 +97,22 @@ def markdown(env: dict, model_key: str, rows: dict) -> str:
     ]
     for variant, r in rows.items():
         if "error" in r:
-            lines.append(f"| {VARIANT_LABELS[variant]} | {r['error']} |")
+            lines.append(f"| {pipeline.VARIANT_LABELS[variant]} | {r['error']} |")
             continue
-        lines.append(f"| {VARIANT_LABELS[variant]} | {r['wall_ms']:.1f} | {r['kernel_ms']:.1f} | "
+        lines.append(f"| {pipeline.VARIANT_LABELS[variant]} | {r['wall_ms']:.1f} | {r['kernel_ms']:.1f} | "
                      + " | ".join(f"{r['groups'][g]:.1f}" for g in names) + " |")
     for variant, r in rows.items():
         if "error" in r:
             continue
-        lines += ["", f"Longest kernels, {VARIANT_LABELS[variant]} (ms per forward, calls per forward):", ""]
+        lines += ["", f"Longest kernels, {pipeline.VARIANT_LABELS[variant]} (ms per forward, calls per forward):", ""]
         lines += [f"- {k['ms']:.2f} ms x{k['calls']} [{k['group']}] `{k['name']}`" for k in r["top_kernels"]]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="flux")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["omni_lossless", "omni_fp8"])
+    parser.add_argument("--model", choices=sorted(pipeline.MODELS), default="flux")
+    parser.add_argument("--variants", nargs="+", choices=pipeline.VARIANTS, default=["omni_lossless", "omni_fp8"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile-backend", default="inductor")
@@ -130,26 +122,26 @@ def main(argv=None) -> int:
         print("bench/pipeline_profile.py profiles CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), torch.bfloat16
-    spec = MODELS[args.model]
-    model = build_transformer(spec, device, dtype)
-    inputs = make_inputs(spec, device, dtype)
+    spec = pipeline.MODELS[args.model]
+    model = pipeline.build_transformer(spec, device, dtype)
+    inputs = pipeline.make_inputs(spec, device, dtype)
     rows = {}
     for variant in args.variants:
         undo = None
         try:
-            undo = apply_variant(variant, model, device, args, spec)
+            undo = pipeline.apply_variant(variant, model, device, args, spec)
             rows[variant] = profile_variant(model, inputs, device, args.warmup, args.iters)
-        except Skip as exc:
+        except pipeline.Skip as exc:
             rows[variant] = dict(error=f"skipped: {exc}")
         finally:
             if undo is not None:
                 undo()
             torch._dynamo.reset()
         print(variant, json.dumps(rows[variant])[:600], flush=True)
-    env = base_environment()
+    env = harness.base_environment()
     env["command"] = " ".join(["python3", "bench/pipeline_profile.py", *(argv or sys.argv[1:])])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / (f"pipeline-profile-{args.model}_{device_slug(env['device'])}_"
+    stem = args.out_dir / (f"pipeline-profile-{args.model}_{harness.device_slug(env['device'])}_"
                            f"{_dt.date.today():%Y%m%d}")
     stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, model=spec.name, rows=rows), indent=2))
     text = markdown(env, args.model, rows)

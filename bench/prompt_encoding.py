@@ -35,9 +35,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
-from bench._environment import REPO_ROOT, base_environment  # noqa: E402
 
 PROMPT = "a {i}th photograph of a red fox standing in fresh snow at dawn, soft light, 35mm"
 
@@ -93,9 +95,9 @@ def run_concurrent(fn, callers: int) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "results"
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else harness.REPO_ROOT / "bench" / "results"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", default=str(harness.REPO_ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
                           flush=True)
         finally:
             encoder.close()
-    env = base_environment(("diffusers", "transformers"))
+    env = harness.base_environment(("diffusers", "transformers"))
     env.update(model=dict(width=args.width, layers=args.layers, heads=args.heads),
                embeds_rel_err=rel_err, threads=torch.get_num_threads())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,15 @@ from pathlib import Path
 
 import torch
 
-from _environment import base_environment, device_slug, gpu_refusal  # noqa: E402  (bench/ is on sys.path)
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
     # Run from a source checkout without installing the package.
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @dataclass(frozen=True)
@@ -77,17 +80,17 @@ class Shape:
 SHAPES = {
     "flux": Shape(
         "flux-1024", "Flux.1 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, per-head norm",
-        1, 4608, 24, 128, norm_across_heads=False,
+        1, models.FLUX.tokens, models.FLUX.heads, models.FLUX.head_dim, norm_across_heads=False,
     ),
     "wan": Shape(
         "wan2.1-14b-720p-81f",
         "Wan2.1 14B 1280x720, 81 frames: 21x45x80 latent tokens, 40 heads x 128, norm over H*D",
-        1, 75600, 40, 128, norm_across_heads=True,
+        1, models.WAN_720P.tokens, models.WAN_720P.heads, models.WAN_720P.head_dim, norm_across_heads=True,
     ),
     "qwen-image": Shape(
         "qwen-image-1328",
         "Qwen-Image 1328x1328: 83x83 image + 512 text tokens, 24 heads x 128, per-head norm",
-        1, 7401, 24, 128, norm_across_heads=False,
+        1, models.QWEN_IMAGE.tokens, models.QWEN_IMAGE.heads, models.QWEN_IMAGE.head_dim, norm_across_heads=False,
     ),
 }
 
@@ -413,7 +416,7 @@ class _Unavailable(Exception):
 
 
 def _environment() -> dict:
-    env = base_environment(("triton", "diffusers"))
+    env = harness.base_environment(("triton", "diffusers"))
     env["triton"] = env["packages"]["triton"]
     env["diffusers"] = env["packages"]["diffusers"]
     return env
@@ -495,7 +498,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    refusal = gpu_refusal("bench/qk_norm_rope.py")
+    refusal = harness.gpu_refusal("bench/qk_norm_rope.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -524,7 +527,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"qk_norm_rope_{device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
+    stem = f"qk_norm_rope_{harness.device_slug(env['device'])}_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d}"
     shape_info = [dict(vars(s).items()) for s in shapes]
     (args.out_dir / f"{stem}.json").write_text(
         json.dumps(dict(environment=env, dtype=args.dtype, shapes=shape_info, results=rows),

@@ -4,7 +4,7 @@
 :func:`omni_kernels.quant.quantize_activated_per_token`'s Triton kernel quantizes the input of
 every layer that reads a GELU (a DiT's MLP down projection; Flux's single blocks' ``proj_out``,
 whose attention half comes in through ``prefix``). In the compiled FP8 Flux step on an H200 it
-moved ~2 TB/s (bench/results/pipeline-profile-flux-*_20261130.md: 6.4 ms for 76 calls). This
+moved ~2 TB/s (bench/results/pipeline-profile/pipeline-profile-flux-*_20261130.md: 6.4 ms for 76 calls). This
 times, on the same inputs in one process, each setting the launcher offers:
 
 * ``tile``: the row in one register tile (the default for rows up to ``MAX_TILE``), with the
@@ -38,9 +38,13 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
-from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,14 @@ class Shape:
     note: str
 
 
+_FLUX, _WAN = models.FLUX, models.WAN_480P
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-single-proj-out", 4608, 3072, 12288, "Flux.1 1024^2 single block: cat(attention, GELU(mlp))"),
-        Shape("flux-ff-down", 4096, 0, 12288, "Flux.1 1024^2 image-stream MLP down projection"),
-        Shape("flux-ff-context-down", 512, 0, 12288, "Flux.1 text-stream MLP down projection"),
-        Shape("wan14b-ffn-down", 32760, 0, 13824, "Wan2.1-14B 480p 81 frames, FFN down projection"),
+        Shape("flux-single-proj-out", _FLUX.tokens, _FLUX.width, _FLUX.ffn,
+              "Flux.1 1024^2 single block: cat(attention, GELU(mlp))"),
+        Shape("flux-ff-down", _FLUX.tokens - models.TEXT_TOKENS, 0, _FLUX.ffn, "Flux.1 1024^2 image-stream MLP down projection"),
+        Shape("flux-ff-context-down", models.TEXT_TOKENS, 0, _FLUX.ffn, "Flux.1 text-stream MLP down projection"),
+        Shape("wan14b-ffn-down", _WAN.tokens, 0, _WAN.ffn, "Wan2.1-14B 480p 81 frames, FFN down projection"),
         Shape("tiny", 37, 24, 200, "smoke test"),
     )
 }
@@ -91,7 +97,7 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
             if baseline is None:
                 baseline = (q, scale)
             same = torch.equal(scale, baseline[1]) and torch.equal(q.view(torch.uint8), baseline[0].view(torch.uint8))
-            us = median_us(call)
+            us = harness.median_us(call)
             rows.append(dict(shape=shape.name, setting=label, us=us, gbps=nbytes / us / 1e3,
                              same_as_default=same, status="ok" if same else "differs from the default"))
         except Exception as exc:  # a setting the compiler rejects (registers, say): record, go on
@@ -105,11 +111,11 @@ def run_shape(shape: Shape, dtype: torch.dtype, out_dtype: torch.dtype, seed: in
         # The two kernels' GELUs may round apart: scales within 1e-5, codes equal in 99% of values.
         agree = bool(torch.allclose(scale, baseline[1], rtol=1e-5, atol=0)
                      and (q.float() != baseline[0].float()).float().mean() < 0.01)
-        us = median_us(call_cuda)
+        us = harness.median_us(call_cuda)
         rows.append(dict(shape=shape.name, setting="cuda", us=us, gbps=nbytes / us / 1e3, same_as_default=agree,
                          status="ok" if agree else "differs from the Triton kernel's (beyond one code in 1%)"))
     if head is not None:
-        us = median_us(lambda: launch(torch.cat([head, x], -1), shape.prefix, 0.0, out_dtype))
+        us = harness.median_us(lambda: launch(torch.cat([head, x], -1), shape.prefix, 0.0, out_dtype))
         rows.append(dict(shape=shape.name, setting="cat+kernel", us=us, gbps=None, same_as_default=None,
                          status="ok"))
     return rows
@@ -144,7 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    refusal = gpu_refusal("bench/quant_activation_tune.py")
+    refusal = harness.gpu_refusal("bench/quant_activation_tune.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -155,14 +161,14 @@ def main(argv=None) -> int:
         print(f"FP8 output needs FP8 tensor cores: {reason}", file=sys.stderr)
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    env = base_environment(("triton",))
+    env = harness.base_environment(("triton",))
     shapes = [SHAPES[name] for name in args.shapes]
     rows = []
     for shape in shapes:
         rows += run_shape(shape, dtype, torch.float8_e4m3fn, args.seed)
         torch.cuda.empty_cache()
     table = markdown(env, shapes, rows, args.dtype)
-    write_results(args.out_dir, "quant_activation_tune", env,
+    harness.write_results(args.out_dir, "quant_activation_tune", env,
                   dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows), table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows) else 1

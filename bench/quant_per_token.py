@@ -33,9 +33,13 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
-from bench._environment import base_environment, gpu_refusal, median_us, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,14 @@ class Shape:
     note: str
 
 
+_FLUX, _WAN = models.FLUX, models.WAN_720P
 SHAPES = {
     s.name: s for s in (
-        Shape("flux-3072", 4608, 3072, "Flux.1 1024^2: attention projections and MLP up input"),
-        Shape("flux-12288", 4608, 12288, "Flux.1 1024^2: MLP down input"),
-        Shape("flux-15360", 4608, 15360, "Flux.1 1024^2: single blocks' proj_out input"),
-        Shape("wan14b-5120", 75600, 5120, "Wan2.1-14B 720p 81 frames: attention projections"),
-        Shape("wan14b-13824", 75600, 13824, "Wan2.1-14B 720p 81 frames: FFN down input"),
+        Shape("flux-3072", _FLUX.tokens, _FLUX.width, "Flux.1 1024^2: attention projections and MLP up input"),
+        Shape("flux-12288", _FLUX.tokens, _FLUX.ffn, "Flux.1 1024^2: MLP down input"),
+        Shape("flux-15360", _FLUX.tokens, models.FLUX_SINGLE_PROJ_OUT_IN, "Flux.1 1024^2: single blocks' proj_out input"),
+        Shape("wan14b-5120", _WAN.tokens, _WAN.width, "Wan2.1-14B 720p 81 frames: attention projections"),
+        Shape("wan14b-13824", _WAN.tokens, _WAN.ffn, "Wan2.1-14B 720p 81 frames: FFN down input"),
         Shape("tiny", 37, 200, "smoke test"),
     )
 }
@@ -123,7 +128,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
         agree = _agree_within_tolerance(q_c, s_c, q_t, s_t)
         for label, op in (("cuda", torch.ops.omni_kernels.quantize_per_token),
                           ("triton", torch.ops.omni_kernels.quantize_per_token_triton)):
-            record(label, median_us(lambda op=op: op(*args)), None if label == "cuda" else True,
+            record(label, harness.median_us(lambda op=op: op(*args)), None if label == "cuda" else True,
                    "ok" if agree else f"cuda and triton differ (largest code difference {steps.max().item():.3g})")
         del q_c, s_c
         for label, options in triton_settings():
@@ -138,7 +143,7 @@ def run_shape(shape: Shape, fused: bool, dtype: torch.dtype, seed: int, max_valu
                 q, scale = call()
                 same, status = compare_with_default(q, scale, q_t, s_t, fused)
                 del q, scale
-                record(label, median_us(call), same, status)
+                record(label, harness.median_us(call), same, status)
             except Exception as exc:  # a setting the compiler rejects (resources, say): record, go on
                 record(label, None, None, f"error: {type(exc).__name__}: {exc}"[:300])
     return rows
@@ -182,7 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-values-per-thread", type=int, default=256,
                         help="skip Triton settings whose tile gives a thread more float32 values than this")
     args = parser.parse_args(argv)
-    refusal = gpu_refusal("bench/quant_per_token.py")
+    refusal = harness.gpu_refusal("bench/quant_per_token.py")
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
     import omni_kernels.quant  # noqa: F401  (registers the Triton op and the fakes)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    env = base_environment(("triton",))
+    env = harness.base_environment(("triton",))
     shapes = [SHAPES[name] for name in args.shapes]
     rows = []
     for shape in shapes:
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
             rows += run_shape(shape, fused, dtype, args.seed, args.max_values_per_thread)
         torch.cuda.empty_cache()
     table = markdown(env, shapes, rows, args.dtype)
-    write_results(args.out_dir, "quant_per_token", env,
+    harness.write_results(args.out_dir, "quant_per_token", env,
                   dict(environment=env, dtype=args.dtype, shapes=[vars(s) for s in shapes], results=rows), table)
     print(table)
     return 0 if all(r["status"] == "ok" or r["status"].startswith(("ok,", "skipped")) for r in rows) else 1

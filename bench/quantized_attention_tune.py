@@ -39,16 +39,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+    from bench import shapes as models
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import shapes as models
 
-import triton  # noqa: E402
+import triton
 
-from bench._environment import base_environment  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from omni_kernels.attention import attention, get_backend, select_backend  # noqa: E402
-from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
+from omni_kernels.attention import attention, get_backend, select_backend
+from omni_kernels.attention.quantized.attention_kernel import (
     CUDA_SM90_CONFIG,
     SageConfig,
     cuda_sm90_unsupported_reason,
@@ -56,16 +60,16 @@ from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
     sage_attention_forward,
     sage_attention_quantized,
 )
-from omni_kernels.attention.quantized.quantize import quantize_qkv  # noqa: E402
-from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda  # noqa: E402
-from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
+from omni_kernels.attention.quantized.quantize import quantize_qkv
+from omni_kernels.attention.quantized.quantize_cuda import quantize_qkv_cuda
+from omni_kernels.attention.quantized.reference import dit_like_qkv
 
 # name: (B, H, S, D)
 SHAPES = {
-    "flux": (1, 24, 4608, 128),
-    "wan720": (1, 40, 75600, 128),
-    "hunyuan": (1, 24, 119040, 128),
-    "wan480": (1, 40, 32760, 128),
+    "flux": models.FLUX.bhsd(),
+    "wan720": models.WAN_720P.bhsd(),
+    "hunyuan": models.HUNYUAN_720P.bhsd(),
+    "wan480": models.WAN_480P.bhsd(),
 }
 DEFAULT_SHAPES = ("flux", "wan720", "hunyuan")
 
@@ -134,7 +138,7 @@ def main():
     out_file = out_dir / "quantized_attention_tune.json"
     props = torch.cuda.get_device_properties(device)
     sage_reason = get_backend("sageattention").unavailable_reason(device)
-    env = base_environment(("triton", "sageattention"))
+    env = harness.base_environment(("triton", "sageattention"))
     report = {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
               "torch": torch.__version__, "triton": triton.__version__,
               "sageattention": sage_reason or "available", "environment": env, "results": []}

@@ -35,9 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
 
-from bench._environment import REPO_ROOT, base_environment  # noqa: E402
 
 GEN = "/v1/images/generations"
 
@@ -61,7 +63,7 @@ class Server:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
         env.pop("TRITON_INTERPRET", None)
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self.log,
+        self.proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float) -> None:
@@ -209,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the server's worker runs (the clients stay on loopback)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per concurrent phase")
     p.add_argument("--startup-timeout", type=float, default=180.0)
-    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO_ROOT / "bench" / "results"))
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(harness.REPO_ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     for name in ("clients", "requests", "sequential", "steps", "threads"):
         if getattr(args, name) < 1:
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = base_environment(("diffusers", "fastapi", "uvicorn", "httpx", "av"))
+    env = harness.base_environment(("diffusers", "fastapi", "uvicorn", "httpx", "av"))
     env["cpu_count"] = os.cpu_count()
     results = {}
     for label, max_batch in (("batched", 8), ("one_at_a_time", 1)):

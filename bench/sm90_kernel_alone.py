@@ -32,23 +32,24 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import quantized_attention_tune as tune
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import quantized_attention_tune as tune
 
-import triton  # noqa: E402
+import triton
 
-from bench.quantized_attention_tune import SHAPES, errors, flops  # noqa: E402
-from omni_kernels.attention.quantized.attention_kernel import (  # noqa: E402
+from omni_kernels.attention.quantized.attention_kernel import (
     CUDA_SM90_CONFIG,
     cuda_sm90_unsupported_reason,
     sage_attention_forward,
     sage_attention_quantized,
 )
-from omni_kernels.attention.quantized.quantize import quantize_qkv  # noqa: E402
-from omni_kernels.attention.quantized.reference import dit_like_qkv  # noqa: E402
+from omni_kernels.attention.quantized.quantize import quantize_qkv
+from omni_kernels.attention.quantized.reference import dit_like_qkv
 
 
 def _quantizer_columns(q, k, v, b, h, s, d) -> str:
@@ -67,7 +68,7 @@ def _quantizer_columns(q, k, v, b, h, s, d) -> str:
     fwd = {}
     for name, quantizer in (("triton-q", False), ("cuda-q", True)):
         cfg = replace(CUDA_SM90_CONFIG, cuda_quantizer=quantizer)
-        fwd[name] = flops(b, h, s, d) / bench(lambda: sage_attention_forward(q, k, v, config=cfg)) / 1e9
+        fwd[name] = tune.flops(b, h, s, d) / bench(lambda: sage_attention_forward(q, k, v, config=cfg)) / 1e9
     return (f"  quant triton {t_tri * 1e3:6.1f} us {moved / t_tri / 1e9:4.2f} TB/s"
             f" cuda {t_cuda * 1e3:6.1f} us {moved / t_cuda / 1e9:4.2f} TB/s"
             f"  fwd triton-q {fwd['triton-q']:6.1f} cuda-q {fwd['cuda-q']:6.1f} TFLOP/s")
@@ -77,15 +78,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tag", help="a name for this build, printed on every line")
     parser.add_argument("--shapes", default="flux,wan720,hunyuan",
-                        help=f"comma-separated, from {sorted(SHAPES)}")
+                        help=f"comma-separated, from {sorted(tune.SHAPES)}")
     parser.add_argument("--quantizers", action="store_true",
                         help="also time the Triton and the CUDA quantizer alone, and the whole "
                              "forward with each")
     args = parser.parse_args(argv)
     names = [n for n in args.shapes.split(",") if n]
-    unknown = [n for n in names if n not in SHAPES]
+    unknown = [n for n in names if n not in tune.SHAPES]
     if unknown or not names:
-        parser.error(f"--shapes must name some of {sorted(SHAPES)}; got {args.shapes!r}")
+        parser.error(f"--shapes must name some of {sorted(tune.SHAPES)}; got {args.shapes!r}")
     if not torch.cuda.is_available():
         print("sm90_kernel_alone.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         return 2
     gen = torch.Generator(device).manual_seed(0)
     for name in names:
-        b, h, s, d = SHAPES[name]
+        b, h, s, d = tune.SHAPES[name]
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
         qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                 warmup=10, rep=60, return_mode="median")
 
         ms = kernel_ms()
-        tflops = flops(b, h, s, d) / ms / 1e9
+        tflops = tune.flops(b, h, s, d) / ms / 1e9
         quant = ""
         if args.quantizers:
             quant = _quantizer_columns(q, k, v, b, h, s, d)
@@ -116,9 +117,9 @@ def main(argv=None) -> int:
         q, k, v = dit_like_qkv(gen, (b, h, s, d), torch.bfloat16, "cuda")
         qkv = quantize_qkv(q, k, v, block_n=128, permute_v=True)
         out = torch.empty_like(q)
-        dit_tflops = flops(b, h, s, d) / kernel_ms() / 1e9
+        dit_tflops = tune.flops(b, h, s, d) / kernel_ms() / 1e9
         qkv = out = None
-        cos, rel = errors(sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG), q, k, v)
+        cos, rel = tune.errors(sage_attention_forward(q, k, v, config=CUDA_SM90_CONFIG), q, k, v)
         q = k = v = None
         print(f"RESULT {args.tag:8s} {name:8s} kernel {ms:8.3f} ms {tflops:6.1f} TFLOP/s  "
               f"dit kernel {dit_tflops:6.1f} cos {cos:.5f} rel {rel:.3e}{quant}", flush=True)

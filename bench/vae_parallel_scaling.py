@@ -69,16 +69,12 @@ import torch
 import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if __package__:  # imported as bench.<script> (the tests)
+    from bench import harness, pipeline
+else:  # run as python3 bench/<script>.py: bench/ itself is on sys.path
+    import harness
+    import pipeline
 
-from bench._environment import (  # noqa: E402
-    base_environment,
-    device_slug,
-    gather_from_ranks,
-    init_torchrun_process_group,
-)
-from bench.pipeline import relative_error, synchronize  # noqa: E402
 
 MODES = ("tile", "spatial")
 # A whole Wan 720p baseline (untiled + tiled, warm-up + timed decodes) keeps the other ranks
@@ -210,10 +206,10 @@ def time_decode(vae, z: torch.Tensor, warmup: int, iters: int,
     times = []
     for i in range(warmup + iters):
         out = None  # free the last output first: the peak is one decode's, not two outputs'
-        synchronize(device)
+        pipeline.synchronize(device)
         start = time.perf_counter()
         out = _decode(vae, z)
-        synchronize(device)
+        pipeline.synchronize(device)
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     if device.type == "cuda":
@@ -250,7 +246,7 @@ def _baseline(label: str, vae, z, tiled: bool, warmup: int, iters: int,
 
 
 def _error_against(out: torch.Tensor, reference: torch.Tensor | None) -> float | None:
-    return None if reference is None else relative_error(out, reference.to(out.device))
+    return None if reference is None else pipeline.relative_error(out, reference.to(out.device))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -360,7 +356,7 @@ def run_case(case: VaeCase, args, device: torch.device, dtype: torch.dtype) -> l
                 tiled.update(speedup=round(untiled["decode_ms"] / tiled["decode_ms"], 3),
                              peak_fraction=round(tiled["peak_bytes"][0] / untiled["peak_bytes"][0], 4))
             if references["untiled"] is not None:
-                tiled["rel_err"] = tiled["rel_err_vs_untiled"] = relative_error(references["tiled"],
+                tiled["rel_err"] = tiled["rel_err_vs_untiled"] = pipeline.relative_error(references["tiled"],
                                                                                 references["untiled"])
     dist.barrier()
 
@@ -376,8 +372,8 @@ def run_case(case: VaeCase, args, device: torch.device, dtype: torch.dtype) -> l
             continue
         try:
             ms, peak, out = time_decode(vae, z, args.warmup, args.iters, device)
-            times = gather_from_ranks(ms, world)
-            peaks = gather_from_ranks(peak, world)
+            times = harness.gather_from_ranks(ms, world)
+            peaks = harness.gather_from_ranks(peak, world)
         finally:
             unparallelize_vae(vae)
             dist.barrier()
@@ -401,9 +397,9 @@ def run_case(case: VaeCase, args, device: torch.device, dtype: torch.dtype) -> l
 def write_results(case: VaeCase, rows: list[dict], args, world: int, dtype: torch.dtype,
                   device: torch.device) -> None:
     """Rank 0: ``case``'s JSON and markdown in ``args.out_dir``; prints the markdown."""
-    env = base_environment()
+    env = harness.base_environment()
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
-    slug = device_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
+    slug = harness.device_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
     stem = f"vae_parallel_scaling_{case.key}{'-smoke' if args.smoke else ''}_x{world}_{slug}_{date}"
     latent = case.latent(args.frames)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -422,7 +418,7 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc_per_node 4 bench/vae_parallel_scaling.py", file=sys.stderr)
         return 2
-    device = init_torchrun_process_group(cpu=args.smoke, timeout=PROCESS_GROUP_TIMEOUT)
+    device = harness.init_torchrun_process_group(cpu=args.smoke, timeout=PROCESS_GROUP_TIMEOUT)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     for key in args.model:

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import os
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -252,20 +249,3 @@ def poisoned_outputs():
 def qk_reference():
     """:func:`qk_reference_upcast`: the reference on upcast inputs."""
     return qk_reference_upcast
-
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-
-
-def import_bench_module(name: str):
-    """``bench/<name>.py`` imported as the scripts run: bench/ on ``sys.path``, so their
-    ``from _environment import ...`` resolves."""
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(scope="session")
-def bench_module():
-    """:func:`import_bench_module`: ``bench_module("attention")`` is bench/attention.py."""
-    return import_bench_module

@@ -7,8 +7,10 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def sm90_kernel_alone(bench_module):
-    return bench_module("sm90_kernel_alone")
+def sm90_kernel_alone():
+    from bench import sm90_kernel_alone
+
+    return sm90_kernel_alone
 
 
 def test_unknown_shape_is_refused(sm90_kernel_alone, capsys):

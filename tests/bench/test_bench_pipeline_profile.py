@@ -3,25 +3,20 @@ clear refusal without a GPU (the profile itself runs on the device)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    return importlib.import_module("bench.pipeline_profile")
+    from bench import pipeline_profile
+
+    return pipeline_profile
 
 
 @pytest.mark.parametrize("name, group", [
-    # names as torch.profiler reported them on the H200 (bench/results/pipeline-profile-flux_*)
+    # names as torch.profiler reported them on the H200 (bench/results/pipeline-profile/pipeline-profile-flux_*)
     ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_bias_TNT", "gemm fp8/int8"),
     ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "gemm bf16"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1", "attention"),

@@ -13,8 +13,10 @@ ENV = dict(device="NVIDIA H200", arch="sm90", utc="2026-12-01T00:00:00+00:00", g
 
 
 @pytest.fixture(scope="module")
-def bench(bench_module):
-    return bench_module("attention")
+def bench():
+    from bench import attention
+
+    return attention
 
 
 def _rows(bench, ratios: dict[str, list[float | None]]):
@@ -107,7 +109,7 @@ def test_lossless_rerun_keeps_the_sweep(bench):
 
 
 def test_sweep_refuses_without_a_lossy_backend(bench, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "gpu_refusal", lambda what: None)
+    monkeypatch.setattr(bench.harness, "gpu_refusal", lambda what: None)
     assert bench.main(["--lossy-sweep", "--backends", "sdpa_cudnn", "sdpa_math"]) == 2
     assert "needs at least one lossy backend" in capsys.readouterr().err
 
@@ -115,7 +117,7 @@ def test_sweep_refuses_without_a_lossy_backend(bench, capsys, monkeypatch):
 def test_sweep_refuses_to_write_an_arch_without_a_lossless_entry(bench, capsys, monkeypatch, tmp_path):
     """The sweep writes only the lossy part of an arch's entry: with no lossless ranking measured
     there yet it refuses up front (before any timing) and leaves the table as it was."""
-    monkeypatch.setattr(bench, "gpu_refusal", lambda what: None)
+    monkeypatch.setattr(bench.harness, "gpu_refusal", lambda what: None)
     monkeypatch.setattr(bench, "_environment", lambda: dict(ENV, arch="sm99"))
     table = tmp_path / "auto_table.json"
     table.write_text('{"format": 1, "archs": {"sm90": {"ranking": ["sdpa_cudnn"]}}}\n')

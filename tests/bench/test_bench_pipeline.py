@@ -3,26 +3,16 @@ in a later session, so this keeps the script from rotting meanwhile."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("diffusers")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
 def _load():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # for bench/_environment.py
-    spec = importlib.util.spec_from_file_location("omni_bench_pipeline", BENCH / "pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    from bench import pipeline
+
+    return pipeline
 
 
 def test_smoke_run_writes_results(tmp_path, capsys):

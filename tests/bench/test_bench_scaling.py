@@ -14,8 +14,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+
+
+def _pythonpath() -> str:
+    """The repository first, so that the script imports this checkout's omni packages."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 def _free_port() -> int:
@@ -25,7 +28,7 @@ def _free_port() -> int:
 
 
 def test_scaling_bench_two_ranks_writes_rows(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", "--model", "flux",
            "--strategies", "ulysses", "usp", "tp", "--warmup", "1", "--iters", "1",
@@ -49,7 +52,7 @@ def test_scaling_bench_two_ranks_writes_rows(tmp_path):
 def test_scaling_bench_with_the_acceleration_stack(tmp_path):
     """--compile and --quant apply to the baselines and every strategy alike, CFG included (through
     accelerate, undone between runs); the tags name them in the file name."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", "--model", "flux", "--strategies", "ulysses", "tp", "cfg",
            "--compile", "--compile-backend", "eager", "--quant", "int8", "--warmup", "1", "--iters", "1",
@@ -67,7 +70,7 @@ def test_scaling_bench_with_the_acceleration_stack(tmp_path):
 
 
 def _run_smoke(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(REPO / "bench" / "parallel_scaling.py"), "--smoke", *extra, "--warmup", "1", "--iters", "1",
            "--attention", "sdpa_math", "--out-dir", str(tmp_path)]

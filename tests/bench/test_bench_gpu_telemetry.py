@@ -1,4 +1,4 @@
-"""bench/_gpu_telemetry.py on the CPU: nvidia-smi's output parsed and summarized, the context
+"""bench/gpu_telemetry.py on the CPU: nvidia-smi's output parsed and summarized, the context
 manager without a GPU, and bench/attention.py's table of the samples."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def telemetry(bench_module):
-    return bench_module("_gpu_telemetry")
+def telemetry():
+    from bench import gpu_telemetry
+
+    return gpu_telemetry
 
 
 # As nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active
@@ -61,8 +63,9 @@ def test_interval_below_nvidia_smi_floor_is_refused(telemetry):
         telemetry.GpuTelemetry(torch.device("cpu"), interval_ms=5)
 
 
-def test_attention_bench_tables_the_sampled_rows(bench_module):
-    attention = bench_module("attention")
+def test_attention_bench_tables_the_sampled_rows():
+    from bench import attention
+
     gpu = dict(samples=17, sm_clock_mhz=1905.0, power_w=691.2, power_capped_share=1.0,
                reasons=["SW power cap"])
     rows = [dict(shape="hunyuanvideo-720p", backend="sdpa_cudnn", status="ok", gpu=gpu),

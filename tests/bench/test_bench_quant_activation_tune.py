@@ -3,23 +3,17 @@ without a GPU (the timings themselves need one)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "quant_activation_tune.py"
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("quant_activation_tune", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from bench import quant_activation_tune
+
+    return quant_activation_tune
 
 
 def test_settings_start_with_the_default_and_are_launcher_options(tune):

@@ -3,23 +3,17 @@ default launch, the table, and the refusal without a GPU (the timings themselves
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "quant_per_token.py"
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("quant_per_token", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from bench import quant_per_token
+
+    return quant_per_token
 
 
 def test_shapes_fit_the_cuda_kernel(tune):

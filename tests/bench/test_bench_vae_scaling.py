@@ -14,6 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _pythonpath() -> str:
+    """The repository first, so that the script imports this checkout's omni packages."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -24,7 +29,7 @@ def _free_port() -> int:
 def smoke_run(tmp_path_factory) -> Path:
     """One torchrun of both tiny VAEs (process start-up and imports are most of its time)."""
     out_dir = tmp_path_factory.mktemp("vae_scaling")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(REPO / "bench" / "vae_parallel_scaling.py"), "--smoke", "--model", "wan", "flux",
            "--halo-backend", "torch", "--warmup", "0", "--iters", "1", "--out-dir", str(out_dir)]

@@ -4,11 +4,8 @@ sweep at a tiny shape in Triton's interpreter (fake times; the timings themselve
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
-import sys
-from pathlib import Path
 
 from dataclasses import replace
 
@@ -17,17 +14,14 @@ import torch
 
 from omni_kernels._triton import triton_interpreter_enabled
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gemv_tune.py"
 CASE_ROWS = (1, 2)
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("gemv_tune", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from bench import gemv_tune
+
+    return gemv_tune
 
 
 def _all_grids(tune):
@@ -193,12 +187,12 @@ def test_sweep_runs_in_the_interpreter(tune, monkeypatch, tmp_path):
         fn()
         return next(fake_times)
 
-    monkeypatch.setattr(tune, "gpu_refusal", lambda script: None)
+    monkeypatch.setattr(tune.harness, "gpu_refusal", lambda script: None)
     monkeypatch.setattr(tune, "DEVICE", "cpu")
     monkeypatch.setattr(tune, "X_DTYPE", torch.float16)
-    monkeypatch.setattr(tune, "median_us", fake_median)
-    monkeypatch.setattr(tune, "_host_us", lambda fn: 5.0)
-    monkeypatch.setattr(tune, "_padded_us", lambda fn, host_us: 1.5)
+    monkeypatch.setattr(tune.harness, "median_us", fake_median)
+    monkeypatch.setattr(tune.harness, "host_us", lambda fn: 5.0)
+    monkeypatch.setattr(tune.harness, "padded_us", lambda fn, host_us: 1.5)
     monkeypatch.setattr(tune, "_flush_us", lambda: 70.0)
     monkeypatch.setattr(tune, "_sm_count", lambda: tune.H200_SM_COUNT)
     # A small plan with both x loads (unpipelined and pipelined) and the tl.dot path.

@@ -3,26 +3,17 @@ threshold of 0 skips nothing and reproduces the uncached images bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("diffusers")
 pytest.importorskip("sklearn")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
 def _load():
-    if str(BENCH.parent) not in sys.path:
-        sys.path.insert(0, str(BENCH.parent))  # for bench._environment
-    spec = importlib.util.spec_from_file_location("omni_bench_caching", BENCH / "caching.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from bench import caching
+
+    return caching
 
 
 def test_two_images_threshold_zero_is_exact(tmp_path, capsys):
