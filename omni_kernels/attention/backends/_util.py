@@ -72,7 +72,7 @@ def triton_input_check(problem, q, k, v, key_padding_mask) -> str | None:
     interpreter mishandles; on CUDA no float32 (float16/bfloat16 only); ``q``,
     ``k`` and ``v`` with stride 1 in their last (head) dimension, since the
     kernels take only batch/head/sequence strides. ``problem`` is the registry's
-    :class:`~omni_kernels.attention.registry.AttentionProblem`; ``key_padding_mask``
+    :class:`~omni_kernels.attention.spec.AttentionProblem`; ``key_padding_mask``
     is unused (both backends declare ``key_padding_mask=False``).
     """
     if problem.device.type == "cpu" and problem.dtype == torch.bfloat16:

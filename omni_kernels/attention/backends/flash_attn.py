@@ -16,7 +16,8 @@ import inspect
 import torch
 
 from omni_kernels.attention.backends._util import cuda_reason, last_dim_contiguous, lazy_import
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _FA2_HINT = "pip install flash-attn --no-build-isolation"
 _FA3_HINT = "build flash-attention's hopper/ directory: cd hopper && python setup.py install"

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from omni_kernels.attention.backends._util import cuda_reason, last_dim_contiguous, lazy_import
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 
 def _module():

@@ -26,7 +26,8 @@ import torch
 
 from omni_kernels._triton import eager_launch_allowed, triton_unavailable_reason
 from omni_kernels.attention.backends._util import lazy_import, triton_input_check
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _MODULE = "omni_kernels.attention.quantized.attention_kernel"
 

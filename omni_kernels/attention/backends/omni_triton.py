@@ -17,7 +17,8 @@ import torch
 
 from omni_kernels._triton import triton_unavailable_reason
 from omni_kernels.attention.backends._util import triton_input_check
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _IMPORT_ERROR: dict[str, str | None] = {}
 

@@ -29,7 +29,8 @@ from omni_kernels.attention.backends._util import (
     lazy_import,
     package_version,
 )
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _TENSOR_LAYOUT = {"bshd": "NHD", "bhsd": "HND"}
 _V1_KEY_BLOCK = 64

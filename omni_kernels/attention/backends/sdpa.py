@@ -29,7 +29,8 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 
