@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from omni_kernels._backend_choice import choose_backend
 from omni_kernels._device import cuda_index
 from omni_kernels._triton import triton_interpreter_enabled, triton_unavailable_reason
 from omni_kernels.quant.dispatch import cached_device_capability, device_capability, fp8_unsupported_reason
@@ -44,8 +45,8 @@ _INT_MM_MIN_M = 17
 
 _logged_auto_choices: set[tuple] = set()
 
-# The compute capabilities where "auto" puts cuBLASLt first: where it was measured against
-# torch._scaled_mm (bench/linear.py on the H200). Elsewhere "cublaslt" must be asked for.
+# The compute capabilities where "auto" puts cuBLASLt first: where bench/linear.py compared it
+# with torch._scaled_mm. Elsewhere "cublaslt" must be asked for.
 _CUBLASLT_AUTO_CAPABILITIES = ((9, 0),)
 
 
@@ -186,27 +187,19 @@ def _choose(kind, backend, reason_of, device, m, what, allowed=LINEAR_BACKENDS):
     ``"auto"`` logs its choice (and why faster backends were skipped) once per kind of input."""
     if backend not in allowed:
         raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
-    if backend != "auto":
-        reason = reason_of(backend)
-        if reason is not None:
-            raise ValueError(f"{what} backend={backend!r} cannot take these inputs: {reason}")
-        return backend
     reasons = {}
-    chosen = "torch"
-    for candidate in _auto_order(kind, device, m):
+
+    def recorded_reason(candidate):
         reasons[candidate] = reason_of(candidate)
-        if reasons[candidate] is None:
-            chosen = candidate
-            break
-    key = (what, kind, chosen, device.type, m <= GEMV_MAX_M, m <= _WEIGHT_ONLY_SMALL_M)
-    if key not in _logged_auto_choices and not torch.compiler.is_compiling():
-        _logged_auto_choices.add(key)
-        skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
-        logger.info(
-            "%s (%s) backend='auto' chose %r on %s%s", what, kind, chosen, device.type,
-            f" (skipped {skipped})" if skipped else "",
-        )
-    if chosen == "torch" and device.type == "cuda" and reasons:
+        return reasons[candidate]
+
+    chosen = choose_backend(
+        what, backend, _auto_order(kind, device, m), recorded_reason,
+        log_key=(what, kind, device.type, m <= GEMV_MAX_M, m <= _WEIGHT_ONLY_SMALL_M),
+        describe=lambda: device.type, logged=_logged_auto_choices, logger=logger,
+        log_name=f"{what} ({kind})", where="on",
+    )
+    if backend == "auto" and chosen == "torch" and device.type == "cuda":
         # On a GPU the float32 reference is far too slow to be a silent fallback.
         raise ValueError(
             f"{what} ({kind}): no GPU backend can take these inputs: "

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import omni_kernels.attention as A
 from omni_kernels.attention import selection
 from omni_kernels.attention.spec import _arch_of
-from omni_kernels.attention.backends import _util
+from omni_kernels import _packages
 from omni_kernels.attention.reference import attention_reference
 
 HAS_TRITON_FLASH = importlib.util.find_spec("omni_kernels.attention.triton_flash") is not None
@@ -197,8 +197,8 @@ def test_forward_only_backend_rejects_grad(spies):
 
 
 def test_missing_package_and_broken_extension_reasons(tmp_path, monkeypatch):
-    _util._IMPORTS.pop("omni_no_such_pkg", None)
-    module, reason = _util.lazy_import("omni_no_such_pkg", "omni-no-such-pkg", "pip install omni-no-such-pkg")
+    _packages._IMPORTS.pop("omni_no_such_pkg", None)
+    module, reason = _packages.lazy_import("omni_no_such_pkg", "omni-no-such-pkg", "pip install omni-no-such-pkg")
     assert module is None and reason == (
         "the 'omni-no-such-pkg' package is not installed (pip install omni-no-such-pkg)"
     )
@@ -206,8 +206,8 @@ def test_missing_package_and_broken_extension_reasons(tmp_path, monkeypatch):
         "raise ImportError('libfoo.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    _util._IMPORTS.pop("omni_broken_ext", None)
-    module, reason = _util.lazy_import("omni_broken_ext", "omni-broken-ext", "pip install it")
+    _packages._IMPORTS.pop("omni_broken_ext", None)
+    module, reason = _packages.lazy_import("omni_broken_ext", "omni-broken-ext", "pip install it")
     assert module is None
     assert "failed to load" in reason and "undefined symbol" in reason and "built for another torch" in reason
     sys.modules.pop("omni_broken_ext", None)
