@@ -46,17 +46,15 @@ def quantize_weight(weight: torch.Tensor, dtype="fp8") -> tuple[torch.Tensor, to
     return w_q.contiguous(), w_scale.contiguous()
 
 
-# Measured on an H200 (bench/results/linear_nvidia-h200_20261129.md, activations with
-# outlier channels): with fast accumulation the FP8 GEMM's error against the same
-# operands in float32 grew from ~1.6e-2 at K=3072 to 1.2e-1 at K=12288 (Flux's MLP
-# down projection), against ~3e-3 when promoted; the promoted GEMM costs ~8-20%.
+# With fast accumulation the FP8 GEMM's error grows with K (about 10x from K=3072 to 12288 on
+# activations with outlier channels); above this K "auto" promotes, at some speed cost.
 FAST_ACCUM_MAX_K = 8192
 
 
 def float32_shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``t.reshape(shape).float()``, or ``t`` itself in eager mode when it already is that: each
-    no-op reshape or cast is still a dispatched torch call, and an eager W8A8 layer's host time
-    is what bounds it at Flux's shapes on a slow host (bench/linear.py's host us column)."""
+    no-op reshape or cast is still a dispatched torch call, and host time bounds an eager W8A8
+    layer at Flux's shapes."""
     if t.dtype == torch.float32 and t.shape == shape and not torch.compiler.is_compiling():
         return t
     return t.reshape(shape).float()

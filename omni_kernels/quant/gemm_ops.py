@@ -56,7 +56,7 @@ def _(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False):
 
 def _scaled_mm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False) -> torch.Tensor:
     """The op in traced code; in eager mode on plain tensors the launcher itself (the op would add
-    only its dispatch, host time the H200's eager INT8 rows are bound by)."""
+    only its dispatch: host time, which bounds eager INT8 layers)."""
     if eager_launch_allowed(a, b, a_scale, b_scale, bias):
         from omni_kernels.quant.triton_gemm import launch_scaled_gemm_triton
 

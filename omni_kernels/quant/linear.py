@@ -43,11 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: ``activation_backend`` values of a W8A8 layer: :data:`QUANTIZE_BACKENDS` and ``"split"``.
 ACTIVATION_BACKENDS = (*QUANTIZE_BACKENDS, "split")
-# An H200 profile of a compiled Flux step (bench/results/pipeline-profile-flux_nvidia-h200_20261129.md):
-# Inductor fuses the quantization of K=3072 inputs into one pass with their LayerNorm/modulation,
-# but splits the K=15360 proj_out input (cat + GELU) into two passes (10.8 ms a step vs 4.5 ms
-# for cat + GELU alone). The threshold between is a guess; the "split" variant of
-# bench/pipeline.py is what times it.
+# Inductor fuses the quantization of narrow inputs (K=3072) with their LayerNorm/modulation but
+# splits a wide cat + GELU input (K=15360) into two passes; the threshold between is a guess
+# (bench/pipeline.py's "split" variant times it).
 DEFAULT_SPLIT_K = 8192
 
 # ('fused_fp8', gemm) pairs already logged
@@ -204,9 +202,8 @@ def fused_fp8_eager_gemm(
     then the FP8 GEMM, from C++), or ``None`` where it may not. The op runs exactly what the
     two-call path's choices run there (the CUDA op's staged kernel, then the GEMM ``backend``
     resolves to: ``"cublaslt_tuned"`` for ``"cublaslt"``, ``"aten"`` for ``"aten"``), for one
-    dispatched call instead of two with their Python checks. On the H200's host an eager FP8
-    layer at Flux's 4608 x 3072 -> 3072 took 66-86 us of host time against ~80 us of GPU time
-    (bench/results/linear-flux-eager-auto_*): the host bounded it.
+    dispatched call instead of two with their Python checks (an eager FP8 layer at Flux's
+    shapes is bound by host time).
 
     Needs: eager mode without dispatch modes on plain tensors, the compiled extension, CUDA
     bfloat16 ``x2`` with 16-byte aligned rows, ``K <= CUDA_STAGED_MAX_ROW``, ``K`` and ``N``
