@@ -274,12 +274,12 @@ def _bench_args(shape: Shape) -> tuple[float, float]:
 
 
 def _dispatch_us(name, q, k, v, layout, calls=200) -> float:
-    from omni_kernels.attention import registry
+    from omni_kernels.attention import api
 
-    registry._plan(q, k, v, name, layout, False, None, None, False, None)
+    api._plan(q, k, v, name, layout, False, None, None, False, None)
     start = time.perf_counter()
     for _ in range(calls):
-        registry._plan(q, k, v, name, layout, False, None, None, False, None)
+        api._plan(q, k, v, name, layout, False, None, None, False, None)
     return (time.perf_counter() - start) / calls * 1e6
 
 

@@ -154,7 +154,7 @@ _WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
 ERROR_ROWS = 2048
 DEVICE = "cuda"
-# The GEMV takes at most this many rows (omni_kernels.quant.linear.GEMV_MAX_M).
+# The GEMV takes at most this many rows (omni_kernels.quant.GEMV_MAX_M).
 GEMV_MAX_M = 16
 _GEMV_VARIANTS = {"omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv"}
 # At the modulation shapes: bf16, the weight-only layers, and the W8A8 layers for reference

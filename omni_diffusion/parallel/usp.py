@@ -83,7 +83,7 @@ from omni_diffusion.parallel.config import offsets, split_sizes
 from omni_diffusion.parallel.ring import ring_attention
 from omni_diffusion.parallel.ulysses import head_slices, heads_to_sequence, sequence_to_heads
 from omni_kernels.attention import attention
-from omni_kernels.attention.registry import normalize_key_padding_mask
+from omni_kernels.attention import normalize_key_padding_mask
 
 SP_BACKEND_NAME = "omni_sp"
 
