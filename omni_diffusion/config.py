@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from omni_diffusion._fields import known_fields
+
 QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
 CACHE_KINDS = ("first_block", "teacache", "cache_dit")
 COMPILE_MODES = (False, True, "regional")
@@ -136,7 +138,7 @@ class CacheConfig:
         """From a mapping of field names (unknown keys raise) or a bare kind string."""
         if isinstance(data, str):
             return cls(kind=data)
-        return cls(**_known_fields(cls, data))
+        return cls(**known_fields(cls, data))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -203,7 +205,7 @@ class AccelConfig:
             ``torch.distributed`` job (torchrun); see :mod:`omni_diffusion.parallel`.
             Sequence parallelism does not combine with ``cache``.
         attention_policy: None, or an
-            :class:`omni_diffusion.attention_policy.FullPrecisionPolicy` (or a dict of
+            :class:`omni_diffusion.attention.FullPrecisionPolicy` (or a dict of
             its fields, ``{}`` for its defaults): let the attention calls run a lossy
             (quantized) backend, by default only where the GPU's auto table measured one
             faster (on the H200: ``omni_sage_sm90`` from 4608 tokens), keeping the
@@ -308,7 +310,7 @@ class AccelConfig:
                            "part of the tokens, so cache decisions would differ between ranks")
             object.__setattr__(self, "parallel", parallel if parallel.enabled else None)
         if self.attention_policy is not None:
-            from omni_diffusion.attention_policy import FullPrecisionPolicy
+            from omni_diffusion.attention.policy import FullPrecisionPolicy
 
             policy = self.attention_policy
             if isinstance(policy, Mapping):
@@ -363,7 +365,7 @@ class AccelConfig:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"AccelConfig.from_dict needs a mapping, got {type(data).__name__}")
-        fields = _known_fields(cls, data)
+        fields = known_fields(cls, data)
         if isinstance(fields.get("quant_skip"), list):
             fields["quant_skip"] = tuple(fields["quant_skip"])
         return cls(**fields)
@@ -381,17 +383,6 @@ class AccelConfig:
 
     def __hash__(self) -> int:  # quant_options is a dict: hash the canonical JSON form
         return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
-
-
-def _known_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(
-            f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}; "
-            f"fields: {', '.join(names)}"
-        )
-    return dict(data)
 
 
 # --------------------------------------------------------------------------- CLI

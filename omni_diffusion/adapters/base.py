@@ -462,7 +462,7 @@ class ModelAdapter:
         change diffusers' process-wide active backend, so other models are not
         affected. ``omni_backend=None`` picks per call (``"auto"``).
         """
-        from omni_diffusion.attention_backend import OMNI_BACKEND_NAME, register_omni_attention_backend
+        from omni_diffusion.attention.diffusers_backend import OMNI_BACKEND_NAME, register_omni_attention_backend
 
         name = OMNI_BACKEND_NAME if omni_backend is None else f"{OMNI_BACKEND_NAME}:{omni_backend}"
         member = register_omni_attention_backend(name, omni_backend=omni_backend)
@@ -534,13 +534,14 @@ class ModelAdapter:
 
     def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
         """Make attention module ``module`` run its attention through ``parallel``
-        (a :class:`omni_diffusion.parallel.usp.SequenceParallelAttention`).
+        (a :class:`omni_diffusion.parallel.sequence_attention.SequenceParallelAttention`).
 
         Default: its processor goes through diffusers' dispatcher; it is pointed
         at omni's sequence-parallel diffusers backend with ``parallel`` as its
         ``_parallel_config`` (which the dispatcher hands to the backend).
         """
-        from omni_diffusion.parallel.usp import route_dispatcher_processor
+        # imported here: the parallel package imports the adapters when it loads
+        from omni_diffusion.parallel.sequence_attention import route_dispatcher_processor
 
         return route_dispatcher_processor(module, parallel)
 

@@ -37,7 +37,7 @@ import torch
 
 from .evaluate import psnr
 from .evaluate_video import DIRECTIONS, moving_digit_clips, video_prompt
-from .train import _seed, optimizer_step
+from .optim import optimizer_step, seed_everything
 
 #: UMT5 prompt length: "a handwritten digit three moving right" is 6 words + </s>
 TEXT_LEN = 16
@@ -172,7 +172,7 @@ def finetune_decoder(init: str | Path, out: str | Path, seed: int = 0, steps: in
     pipe = diffusers.WanPipeline.from_pretrained(init).to(device)
     pipe.set_progress_bar_config(disable=True)
     clips, _, _ = moving_digit_clips(seed)
-    _seed(seed)  # as train_video seeds this stage
+    seed_everything(seed)  # as train_video seeds this stage
     _train_vae(pipe.vae, clips, steps, batch, log, decoder_only=True)
     with torch.no_grad():
         lat = encode_clips(pipe.vae, clips[:64])
@@ -281,7 +281,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
         # TF32 matmuls: the tiny model's training is launch-bound anyway, and they cost nothing
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    _seed(seed)
+    seed_everything(seed)
     start = time.time()
     clips, digits, dirs = moving_digit_clips(seed)
     trained_vae = False
@@ -295,7 +295,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
         pipe = build_video_pipeline(arch).to(device)
         _train_vae(pipe.vae, clips, vae_steps, vae_batch, log, window=WINDOW)
         if decoder_steps:
-            _seed(seed)
+            seed_everything(seed)
             _train_vae(pipe.vae, clips, decoder_steps, vae_batch, log, decoder_only=True)
         trained_vae = True
     t_vae = time.time() - start
@@ -318,7 +318,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
     if time_budget:
         steps = steps_for_budget(pipe, latents, digits_t, dirs_t, batch, time_budget, log)
     if steps:  # (0: stage 1 alone, to be continued with ``init``)
-        _seed(seed)
+        seed_everything(seed)
         t0 = time.time()
         _train_transformer(pipe, latents, digits_t, dirs_t, steps, batch, log, lr=lr)
         log(f"transformer trained in {time.time() - t0:.0f}s ({steps} steps of {batch}, arch "
