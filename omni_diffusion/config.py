@@ -208,9 +208,8 @@ class AccelConfig:
             :class:`omni_diffusion.attention.FullPrecisionPolicy` (or a dict of
             its fields, ``{}`` for its defaults): let the attention calls run a lossy
             (quantized) backend, by default only where the GPU's auto table measured one
-            faster (on the H200: ``omni_sage_sm90`` from 4608 tokens), keeping the
-            policy's layers and first/last denoising steps exact. Needs
-            ``attention="auto"``; not with ``compile`` (the compiled blocks would keep
+            faster, keeping the policy's layers and first/last denoising steps exact.
+            Needs ``attention="auto"``; not with ``compile`` (the compiled blocks would keep
             the backend chosen when they were traced) or sequence parallelism.
     """
 

@@ -1,63 +1,22 @@
 """omni's attention as a diffusers attention backend: ``transformer.set_attention_backend("omni")``.
 
-diffusers (>= 0.35) routes every attention of its refactored transformers
-(Flux, SD3, Qwen-Image, Wan, HunyuanVideo, ...) through
-``diffusers.models.attention_dispatch.dispatch_attention_fn``, which looks the
-backend up in ``_AttentionBackendRegistry`` by an ``AttentionBackendName``
-member. ``ModelMixin.set_attention_backend(name)`` accepts only names that are
-values of that enum, and the dispatcher converts strings with
-``AttentionBackendName(name)``. So an "omni" backend needs (a) an enum member
-and (b) a registry entry.
+diffusers (>= 0.35) routes the attention of its transformers through
+``dispatch_attention_fn``, which looks backends up by an ``AttentionBackendName`` enum member
+in ``_AttentionBackendRegistry``. :func:`register_diffusers_backend` adds a member to that enum
+(as ``EnumType`` builds members, entered in its three lookup tables, as ``aenum.extend_enum``
+does; checked to answer as a native member, undone with ``RuntimeError`` if not) and registers
+the function; nothing of diffusers is patched or wrapped, so ``torch.compile(fullgraph=True)``
+sees an ordinary member.
 
-Approach (:func:`register_omni_attention_backend`)
---------------------------------------------------
-* (b) uses diffusers' own, public-shaped hook: ``_AttentionBackendRegistry.register``.
-* (a) adds one member, ``OMNI = "omni"``, to ``AttentionBackendName``. Python
-  enums cannot be extended by subclassing, and diffusers keeps no other list of
-  names, so the member is built as ``EnumType`` builds members (a ``str``
-  instance of the enum class with ``_name_``/``_value_``) and entered in the
-  enum's three lookup tables (``_member_map_``, ``_value2member_map_``,
-  ``_member_names_``) — CPython internals that have been stable since Python 3.4
-  and are what ``aenum.extend_enum`` also relies on. Nothing of diffusers is
-  replaced or wrapped: no function, method or module attribute is patched,
-  and every built-in backend behaves as before. After adding it the function
-  checks that the enum answers as for a native member (lookup by value and by
-  name, iteration, ``__members__``, hashing equal to the string, as the
-  registry's dict and ``set_attention_backend``'s check need) and undoes the
-  change and raises ``RuntimeError`` if not.
+The ``"omni"`` backend runs :func:`omni_kernels.attention.attention` with ``backend`` unset
+(the ``attention_backend()`` context, ``$OMNI_ATTENTION_BACKEND``, else ``"auto"``);
+``set_attention_backend(model, "omni", omni_backend="omni_triton")`` pins one through a second
+member ``"omni:omni_triton"``. q/k/v come as ``[B, S, H, D]`` and go on as ``layout="bshd"``.
 
-Then ``pipe.transformer.set_attention_backend("omni")``, diffusers'
-``attention_backend("omni")`` context manager and ``dispatch_attention_fn(...,
-backend="omni")`` all work, as does ``torch.compile(fullgraph=True)`` over
-the transformer (the dispatch sees an ordinary enum member).
-
-Which omni kernel runs: :func:`omni_kernels.attention.attention` with
-``backend`` unset, i.e. ``omni_kernels.attention.attention_backend(name)`` context,
-else ``$OMNI_ATTENTION_BACKEND``, else ``"auto"`` (the per-GPU ranking).
-:func:`set_attention_backend` can pin one per model instead:
-``set_attention_backend(pipe.transformer, "omni", omni_backend="omni_triton")``
-registers a second member ``"omni:omni_triton"`` bound to that backend.
-
-diffusers hands ``query``/``key``/``value`` as ``[B, S, H, D]``; they are passed
-on as ``layout="bshd"`` (no permute, no copy; ``omni_triton`` and flash-attn
-read that layout natively, SDPA gets a transposed view).
-
-Limits
-------
-* Masks: none, or a boolean key-padding mask ``[B, Skv]`` / ``[B, 1, 1, Skv]``
-  (Qwen-Image's joint text+image mask) go to omni; prefix masks become
-  ``key_lengths``, others run on an SDPA backend. Additive (float) masks,
-  per-query masks and ``dropout_p > 0`` fall back to torch SDPA exactly as
-  diffusers' "native" backend computes them (logged once each, counted in
-  :data:`FALLBACKS`).
-* No context parallelism (``supports_context_parallel=False``): diffusers
-  refuses "omni" when a ``ParallelConfig`` is set.
-* ``DIFFUSERS_ATTN_BACKEND=omni`` cannot work: diffusers reads that variable
-  when it is imported, before omni can register. Call
-  ``set_attention_backend`` instead.
-* Enum extension relies on CPython's ``Enum`` internals (checked at
-  registration, see above); a future diffusers that validates names against a
-  fixed list instead of the enum would need another hook.
+Masks: none, or a boolean key-padding mask (``[B, Skv]`` / ``[B, 1, 1, Skv]``, Qwen-Image's)
+go to omni. Additive or per-query masks and ``dropout_p > 0`` run torch SDPA as diffusers'
+"native" backend does (logged once each, counted in :data:`FALLBACKS`). No context parallelism. ``DIFFUSERS_ATTN_BACKEND=omni`` cannot
+work (diffusers reads it before omni registers): call :func:`set_attention_backend`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,26 @@
 """Which attention calls may run a lossy (quantized) backend: keep chosen layers and steps exact.
 
-Quantized attention (``omni_sage``, ``omni_sage_sm90``, ``sageattention``) is fastest
-on long sequences but not exact.
-Its error matters most in the first denoising steps (they lay out the image)
-and the last ones (they set fine detail), and in a few sensitive layers (often
-the first and last blocks). :class:`FullPrecisionPolicy` says which calls stay
-in full precision; :func:`apply_attention_policy` enforces it on a diffusers
-transformer with forward hooks that enter
+Quantized attention (``omni_sage``, ``omni_sage_sm90``, ``sageattention``) is fastest on long
+sequences but not exact. Its error matters most in the first denoising steps (they lay out the
+image), the last ones (they set fine detail) and a few sensitive layers (often the first and
+last blocks). :class:`FullPrecisionPolicy` says which calls stay in full precision;
+:func:`apply_attention_policy` enforces it with forward hooks that enter
 :func:`omni_kernels.attention.attention_backend` contexts:
 
-* around each transformer call: the quantized backend, or the full-precision
-  one during the first ``first_steps`` / last ``last_steps`` denoising steps
-  (the step is the scheduler's ``step_index``; ``None`` before the first
-  ``scheduler.step()`` counts as step 0);
-* around each attention module listed in ``full_precision_layers``: the
-  full-precision backend, whatever the step (the inner context wins).
+* around each transformer call: the quantized backend, or the full-precision one during the
+  first ``first_steps`` / last ``last_steps`` steps (the scheduler's ``step_index``; ``None``
+  before the first ``scheduler.step()`` counts as step 0);
+* around each attention module in ``full_precision_layers``: the full-precision backend,
+  whatever the step (the inner context wins).
 
-The hooks steer only attention that goes through omni without a pinned
-backend: the transformer's diffusers backend must be ``"omni"``
-(``accelerate(pipe, AccelConfig(attention="auto"))`` or
-``set_attention_backend(model, "omni")``), or SDPA patched by
-:func:`omni_kernels.attention.patch_sdpa`.
+The hooks steer only attention that goes through omni without a pinned backend: the diffusers
+backend ``"omni"`` (``AccelConfig(attention="auto")``, ``set_attention_backend(model, "omni")``)
+or SDPA patched by :func:`omni_kernels.attention.patch_sdpa`.
 
-Layers are the transformer's attention modules (modules with a ``processor``
-and ``set_processor``, diffusers' ``Attention`` and ``AttentionModuleMixin``),
-in ``named_modules()`` order: an ``int`` indexes them (negative from the end),
-a ``str`` is an ``fnmatch`` pattern on their qualified names
-(``"transformer_blocks.0.*"``). Which layers to keep is a model's fact: pass
-it here (or from that model's adapter), never by model name in shared code.
+Layers are the attention modules (with a ``processor`` and ``set_processor``) in
+``named_modules()`` order: an ``int`` indexes them (negative from the end), a ``str`` is an
+``fnmatch`` pattern on their names (``"transformer_blocks.0.*"``). Which layers to keep is a
+model's fact: pass it here (or from that model's adapter), never by model name in shared code.
 """
 
 from __future__ import annotations
@@ -52,9 +45,8 @@ class FullPrecisionPolicy:
         quantized_backend: the lossy backend for the other calls, or ``"auto"`` (the
             default): ``backend="auto"`` with lossy backends allowed, which takes a lossy
             backend only where the auto table lists one for the GPU and the call is past
-            its measured crossover (on the H200: ``omni_sage_sm90`` from 4608 tokens, Flux
-            1024^2's length; a 2048-token call stays on cuDNN, which is faster there), and
-            otherwise the fastest exact backend; the choice is logged. Name a backend
+            its measured sequence-length crossover, and otherwise the fastest exact backend;
+            the choice is logged. Name a backend
             (``"omni_sage"``) to quantize every other call whatever the table says.
         full_precision_backend: a lossless backend name, or ``"auto"`` (lossless auto).
         full_precision_layers: attention modules kept exact: indices into the

@@ -1,10 +1,24 @@
 """Attention over sequence-sharded tokens: Ulysses inside, Ring outside (USP).
 
-:class:`SequenceParallelAttention` runs one attention call over the local shard of the
-image tokens (text tokens replicated), :class:`SequenceGroups` holds this rank's Ulysses and
-Ring groups and plans the image split, and :func:`route_dispatcher_processor` points a
-diffusers processor at it through the ``"omni_sp"`` diffusers backend. The block wrappers
-that shard the tokens are in :mod:`.usp`.
+:class:`SequenceParallelAttention` takes the local ``[B, T + n_s, H, D]`` q/k/v of joint
+attention (text ``T`` first or last, as the adapter's layout says; image shard ``n_s``). The
+image part goes through a Ulysses all-to-all (:mod:`.ulysses`: the group's image tokens, this
+rank's heads, uneven heads allowed); the text part is cut to this rank's heads locally. Then
+Ring attention (:mod:`.ring`) over the ring ranks' image shards, with the text keys only in
+the local step (every rank has them). The inverse all-to-all carries the text output of this
+rank's heads to every Ulysses peer in the same message, so each rank ends with the full text
+output the replicated text stream needs. Cross-attention (image queries, text keys) is left
+alone. 1-rank groups skip their exchange, so at degree 1 the call is the plain attention call.
+
+Text padding masks (``layout.text_mask``): the mask over the local text + image keys has its
+image part all True; with Ulysses the keys become the text + the group's image tokens, and the
+mask is rebuilt from its text part.
+
+Routing: processors that call diffusers' ``dispatch_attention_fn`` get the ``"omni_sp"``
+diffusers backend with the :class:`SequenceParallelAttention` as their ``_parallel_config``
+(:func:`route_dispatcher_processor`); adapters with their own processors override
+:meth:`~omni_diffusion.adapters.base.ModelAdapter.apply_parallel_attention`.
+:class:`SequenceGroups` holds this rank's Ulysses and Ring groups and plans the image split.
 """
 
 from __future__ import annotations

@@ -1,70 +1,26 @@
-"""Unified sequence parallelism (USP): Ulysses inside, Ring outside, on a family's blocks.
+"""Unified sequence parallelism (USP) on a family's blocks: which rank holds which tokens.
 
-Token placement
----------------
-The ``ulysses * ring`` sequence ranks split the **image** (latent) tokens
-along the sequence, from the first block's input to the last block's output
-(a wrapper of the first block's forward narrows the hidden states, that of
-the last block gathers them; the blocks between pass shards along). Sequence
-rank ``s = ring_rank * ulysses + ulysses_rank`` holds tokens
-``split_sizes(S, ulysses*ring)[s]`` (``torch.tensor_split``'s uneven split:
-any length works, no padding). **Text tokens are replicated** on every rank:
-they are short, and the text stream's per-token layers (norms, MLPs,
-modulation) then run without communication. Per-token block arguments
-(the adapter's :class:`~omni_diffusion.adapters.base.SequenceParallelPlan`)
-follow the tokens: rotary tables and a key-padding mask a block receives for
-the whole sequence are cut to the local tokens (a rotary table over the text
-alone passes whole), per-image-token tensors are narrowed like the hidden
-states, and counts of leading image tokens become this shard's count.
+The ``ulysses * ring`` sequence ranks split the **image** tokens from the first block's input
+to the last block's output: a wrapper of the first block's forward narrows the hidden states,
+one of the last block's gathers them. Sequence rank ``s = ring_rank * ulysses + ulysses_rank``
+holds tokens ``split_sizes(S, ulysses*ring)[s]`` (``torch.tensor_split``'s uneven split, no
+padding). **Text tokens are replicated**: they are short, and the text stream's per-token
+layers then need no communication. Per-token block arguments (the adapter's
+:class:`~omni_diffusion.adapters.base.SequenceParallelPlan`) follow the tokens: rotary tables
+and key-padding masks over the whole sequence are cut to the local tokens, per-image-token
+tensors are narrowed like the hidden states, counts of leading image tokens become this
+shard's count. The attention over the shards: :mod:`.sequence_attention`.
 
-Attention (:class:`SequenceParallelAttention`, per attention module)
---------------------------------------------------------------------
-For joint attention the local ``q/k/v`` are ``[B, T + n_s, H, D]`` (text ``T``
-first or last, as the adapter's layout says). The image part goes through a
-Ulysses all-to-all (:mod:`.ulysses`: the Ulysses group's image tokens, this
-rank's heads, uneven heads allowed); the text part is cut to this rank's heads
-locally. Then Ring attention (:mod:`.ring`) over the ring ranks' image shards,
-with the text keys only in the local step (they are on every rank already).
-The output goes back by the inverse all-to-all, which carries the text output
-of this rank's heads to every Ulysses peer in the same message, so each rank
-ends with the full text output, as the replicated text stream needs.
-Cross-attention modules (image queries, text keys: Wan's ``attn2``) are left
-alone: their keys are replicated and their queries local.
+At degree 1 (``force_sequence_parallel``) the path runs the ops of plain execution and no
+more, and its Python stays short (eager runs can be bound by kernel launches): the per-block
+bookkeeping is an instance ``forward`` wrapper (:class:`SequenceParallelForward`), not module
+hooks, so ``nn.Module.__call__`` keeps its hook-free fast path.
 
-Text padding masks (families whose ``layout.text_mask`` is set): the mask
-arriving with the local q/k/v covers text + local image keys, its image part
-all True. With a 1-rank Ulysses group the keys are those same tokens and the
-mask goes to attention as it is (Ring uses it in its local step, the only one
-holding text keys; later steps bring image keys only, which are never
-padding). With Ulysses the keys become the text + the group's image tokens:
-the mask is rebuilt from its text part, with every image key attended.
-
-At degree 1 (``force_sequence_parallel``) this same path runs the ops of
-plain execution and nothing more: the shard is the whole tensor (no cut, no
-gather), 1-rank collectives return their input, the Ulysses step leaves q/k/v
-as they are, and the rotary tables pass through (tests/parallel/test_degree_one_overhead.py).
-Its Python is kept short too, since eager execution can be bound by the CPU's
-kernel launches: the per-block bookkeeping is an instance ``forward`` wrapper
-(:class:`SequenceParallelForward`), not module hooks, so ``nn.Module.__call__``
-keeps its hook-free fast path; on a rank holding the whole sequence it returns
-once it has recorded the text length, and the attention wrapper reads its group
-sizes from flags set at install (the test counts the Python calls per block).
-
-Compilation: the block wrappers are per-forward Python bookkeeping (which block
-is first, the image split, the cut tables) and stay out of compiled code:
-``accelerate()``'s regional compile compiles only the block's own forward, the
-wrapper's ``inner`` (:meth:`SequenceParallelForward.compile_inner`), so the
-bookkeeping runs eagerly around it, and every block of a class reuses one graph.
-The Ulysses all-to-alls are functional collectives, traced into the block's
-graph; Ring's point-to-point exchange is a graph break. The first block's shard
-is a contiguous copy, so it arrives with the strides the later blocks' inputs
-have (a view would compile a second graph for the first block).
-
-Routing: processors that call diffusers' ``dispatch_attention_fn`` get omni's
-``"omni_sp"`` diffusers backend, with the :class:`SequenceParallelAttention`
-as their ``_parallel_config`` (the dispatcher passes it on as
-``_parallel_config``); adapters with their own processors override
-:meth:`~omni_diffusion.adapters.base.ModelAdapter.apply_parallel_attention`.
+Compilation: the wrappers' bookkeeping stays eager; regional compile compiles only the
+wrapper's ``inner`` (:meth:`SequenceParallelForward.compile_inner`), so every block of a class
+reuses one graph. Ulysses' all-to-alls are functional collectives traced into it; Ring's
+point-to-point exchange is a graph break. The first block's shard is a contiguous copy, so it arrives with the strides
+of the later blocks' inputs (a view would compile a second graph).
 """
 
 from __future__ import annotations
@@ -242,9 +198,9 @@ class SequenceParallelForward:
     Installed as the block's instance attribute ``forward`` rather than as module hooks:
     ``nn.Module.__call__`` on a module without hooks takes its fast path and calls
     ``self.forward`` at once, where any hook sends every call of the block through the
-    slow path (torch's hook dispatch: 3 more Python frames per call; a no-op pre-hook
-    costs a call ~1.2 us on a CPU where this wrapper costs ~0.3 us), which shows at
-    degree 1 in eager mode when the host's kernel launches bound the step.
+    slow path (torch's hook dispatch: 3 more Python frames per call, several times this
+    wrapper's cost), which shows at degree 1 in eager mode when the host's kernel launches
+    bound the step.
 
     A call runs ``before(args, kwargs)`` (None, or the ``(args, kwargs)`` to call with:
     the per-token arguments cut to this rank's tokens), then ``inner``, the block's
