@@ -1,4 +1,4 @@
-"""Reading config dataclasses from dicts: the field check the config classes share."""
+"""What the config dataclasses share: the unknown-field check of ``from_dict`` and the error of a bad value."""
 
 from __future__ import annotations
 
@@ -21,3 +21,8 @@ def known_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
             f"fields: {', '.join(names)}"
         )
     return dict(data)
+
+
+def not_allowed(owner: str, field: str, value: Any, allowed: str) -> ValueError:
+    """The error for ``owner.field = value``, saying what is ``allowed``."""
+    return ValueError(f"{owner}.{field}: {value!r} is not allowed; allowed: {allowed}")
