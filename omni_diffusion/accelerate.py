@@ -270,7 +270,7 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
         warmup = 1 if config.cache.warmup_steps is None else config.cache.warmup_steps
         state.undos.append(("cache-dit", cache_dit.enable(pipe, config.cache, adapter.cfg.mode, warmup)))
     if config.attention_policy is not None:
-        from omni_diffusion.attention_policy import apply_attention_policy
+        from omni_diffusion.attention.policy import apply_attention_policy
 
         scheduler = None if isinstance(pipe, nn.Module) else getattr(pipe, "scheduler", None)
         for name, transformer in state.transformers.items():

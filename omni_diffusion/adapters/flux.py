@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,
@@ -51,6 +51,7 @@ from omni_diffusion.adapters.base import (
     modulated_norm_input,
     replacement_processor,
     rms_norm_params,
+    single_stream_packed_sizes,
 )
 from omni_diffusion.quantization import (
     class_forward,
@@ -413,8 +414,7 @@ class FluxAdapter(ModelAdapter):
         return FLUX_TEACACHE_COEFFICIENTS
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
-        inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        return [inner, linear.in_features - inner]
+        return single_stream_packed_sizes(transformer, linear)
 
     def fused_norm_rope_processor(self, module: nn.Module) -> Any:
         # exactly FluxAttnProcessor: IP-adapter processors keep theirs

@@ -43,13 +43,12 @@
 from __future__ import annotations
 
 import functools
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,
@@ -63,6 +62,7 @@ from omni_diffusion.adapters.base import (
     modulated_norm_input,
     replacement_processor,
     rms_norm_pair,
+    single_stream_packed_sizes,
 )
 
 #: TeaCache4HunyuanVideo, highest power first
@@ -201,13 +201,12 @@ class HunyuanVideoAdapter(ModelAdapter):
         leading_image_count_args=("num_tokens",),
     )
     # Flux's block layout plus the text token refiner's blocks
-    tensor_parallel = dataclasses.replace(
-        DUAL_SINGLE_STREAM_TP,
-        colwise=DUAL_SINGLE_STREAM_TP.colwise + (
+    tensor_parallel = DUAL_SINGLE_STREAM_TP.extended(
+        colwise=(
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_[qkv]",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.0.proj",
         ),
-        rowwise=DUAL_SINGLE_STREAM_TP.rowwise + (
+        rowwise=(
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_out.0",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.2",
         ),
@@ -242,9 +241,7 @@ class HunyuanVideoAdapter(ModelAdapter):
         return replacement_processor(module, "HunyuanVideoAttnProcessor2_0", processor_class)
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
-        """A single block's ``proj_out`` input: the attention output (heads x head size), then the MLP."""
-        attention_width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        return [attention_width, linear.in_features - attention_width]
+        return single_stream_packed_sizes(transformer, linear)
 
     # ------------------------------------------------------------------ LLM prompt stage
     # (omni_diffusion.ar: the Llama text encoder run in vLLM, and the prompt enhancer)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     FEED_FORWARD_GELU,
     BlockCall,
@@ -52,7 +52,7 @@ from omni_diffusion.adapters.base import (
     ModelAdapter,
     SequenceLayout,
     SequenceParallelPlan,
-    TensorParallelPlan,
+    joint_attention_tp,
     replacement_processor,
     rms_norm_pair,
 )
@@ -151,20 +151,7 @@ class QwenImageAdapter(ModelAdapter):
         rotary_arg="image_rotary_emb", rotary_seq_dim=0, rotary_text_entries=(1,),
         image_token_args=("modulate_index",),
     )
-    tensor_parallel = TensorParallelPlan(
-        colwise=(
-            "transformer_blocks.*.attn.to_[qkv]",
-            "transformer_blocks.*.attn.add_[qkv]_proj",
-            "transformer_blocks.*.img_mlp.net.0.proj",
-            "transformer_blocks.*.txt_mlp.net.0.proj",
-        ),
-        rowwise=(
-            "transformer_blocks.*.attn.to_out.0",
-            "transformer_blocks.*.attn.to_add_out",
-            "transformer_blocks.*.img_mlp.net.2",
-            "transformer_blocks.*.txt_mlp.net.2",
-        ),
-    )
+    tensor_parallel = joint_attention_tp("transformer_blocks", ("img_mlp", "txt_mlp"))
     quant_skip = (
         "img_in",
         "txt_in",

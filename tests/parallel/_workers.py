@@ -19,7 +19,7 @@ def _outliers(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def attention_case(rank, world, ulysses, ring, batch, text, image, heads, dim, text_first, seed):
     """SequenceParallelAttention against full attention on the same q/k/v."""
-    from omni_diffusion.parallel.usp import SequenceGroups, SequenceParallelAttention, SequenceState
+    from omni_diffusion.parallel.sequence_attention import SequenceGroups, SequenceParallelAttention, SequenceState
 
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_outliers(torch.randn(batch, text + image, heads, dim, generator=gen), gen)
@@ -301,7 +301,7 @@ def _deepen(transformer, adapter, blocks_per_list: int) -> None:
 def _image_shares(transformer) -> set[tuple[int, int]]:
     """``(image tokens held, image tokens in all)`` of each sequence-parallel attention's
     last forward (routed through diffusers' dispatcher), to show the work was split."""
-    from omni_diffusion.parallel.usp import SequenceParallelAttention
+    from omni_diffusion.parallel.sequence_attention import SequenceParallelAttention
 
     shares = set()
     for module in transformer.modules():
