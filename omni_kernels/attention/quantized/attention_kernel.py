@@ -20,9 +20,8 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
 * Two-level accumulation: each block's ``P V`` lands in a fresh float32 tile
   which is then folded into the running accumulator with an fma
   (``acc * alpha + tile``), because Hopper's FP8 MMA accumulates with reduced
-  precision (~14 bits) and must never sum across blocks. (A plain
-  ``acc * alpha + tile`` could be rewritten by Triton into ``dot(p, v, acc * alpha)``;
-  an fma is not, and is one instruction instead of two.)
+  precision (~14 bits) and must never sum across blocks (Triton may fold a plain
+  ``acc * alpha + tile`` into ``dot(p, v, acc * alpha)``; it never folds an fma).
 * V has one scale per key block, applied to the block's ``P V`` tile before the
   fold (``acc * alpha + tile * v_scale``, as :mod:`.reference` writes it), and
   ``1 / l`` once, in the epilogue.
