@@ -12,13 +12,7 @@ import base64
 import contextlib
 import hmac
 import json
-import os
-import re
 import secrets
-import shutil
-import tempfile
-import threading
-import time
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -29,6 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from omni_serve.engine import Engine, EngineError, Job, QueueFull
+from omni_serve.errors import APIError, _param_of
+from omni_serve.files import FileStore
 from omni_serve.media import (
     FPS,
     IMAGE_MEDIA_TYPES,
@@ -37,6 +33,7 @@ from omni_serve.media import (
     encode_spritesheet,
 )
 from omni_serve.metrics import CONTENT_TYPE_LATEST
+from omni_serve.middleware import _Observe
 from omni_serve.schemas import (
     MAX_BODY_BYTES,
     ImageGenerationRequest,
@@ -45,149 +42,6 @@ from omni_serve.schemas import (
     parse_size,
     seconds_of,
 )
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
-
-
-# --------------------------------------------------------------------------- files
-
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_-]{16,64}\.(png|apng|jpeg|webp)$")
-
-
-class FileStore:
-    """Generated files in a server-owned directory, under random names, with a time limit.
-
-    Lookups go through the in-memory index only: a name from a request is never
-    turned into a path.
-    """
-
-    def __init__(self, ttl_seconds: float = 3600.0, directory: str | None = None) -> None:
-        self.ttl = ttl_seconds
-        self._dir = directory
-        self._owned = directory is None
-        self._index: dict[str, tuple[str, float, str]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def dir(self) -> str:
-        """The directory, made (private to this user) at the first file."""
-        with self._lock:
-            if self._dir is None:
-                self._dir = tempfile.mkdtemp(prefix="omni-serve-files-")
-            return self._dir
-
-    def put(self, data: bytes, suffix: str = "png", media_type: str = "image/png") -> str:
-        name = f"{secrets.token_urlsafe(24)}.{suffix}"
-        path = os.path.join(self.dir, name)
-        with open(path, "wb") as f:
-            f.write(data)
-        with self._lock:
-            self._index[name] = (path, time.time() + self.ttl, media_type)
-        self.expire()
-        return name
-
-    def get(self, name: str) -> tuple[str, str] | None:
-        if not _FILE_NAME.match(name):
-            return None
-        with self._lock:
-            entry = self._index.get(name)
-        if entry is None or entry[1] < time.time():
-            return None
-        return entry[0], entry[2]
-
-    def expire(self) -> None:
-        now = time.time()
-        with self._lock:
-            old = [n for n, (_, expiry, _) in self._index.items() if expiry < now]
-            paths = [self._index.pop(n)[0] for n in old]
-        for path in paths:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-
-    def close(self) -> None:
-        with self._lock:
-            self._index.clear()
-            directory, self._dir = self._dir, None
-        if directory is not None and self._owned:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- middleware
-
-
-class _Observe:
-    """Pure ASGI middleware: body-size limit, request counts by outcome, latency."""
-
-    def __init__(self, app, metrics, max_body: int) -> None:
-        self.app, self.metrics, self.max_body = app, metrics, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = {"code": 500}
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        too_big = False
-        if length is not None:
-            try:
-                too_big = int(length) > self.max_body
-            except ValueError:
-                too_big = True
-        if too_big:
-            response = APIError(413, f"request body larger than {self.max_body} bytes",
-                                code="body_too_large").response()
-            status["code"] = 413
-            await response(scope, receive, send)
-        else:
-            received = {"n": 0}
-
-            async def limited_receive():
-                message = await receive()
-                if message["type"] == "http.request":
-                    received["n"] += len(message.get("body", b""))
-                    if received["n"] > self.max_body:
-                        raise APIError(413, f"request body larger than {self.max_body} bytes",
-                                       code="body_too_large")
-                return message
-
-            async def observed_send(message):
-                if message["type"] == "http.response.start":
-                    status["code"] = message["status"]
-                await send(message)
-
-            try:
-                await self.app(scope, limited_receive, observed_send)
-            except APIError as exc:
-                status["code"] = exc.status
-                await exc.response()(scope, receive, send)
-        route = scope.get("route")
-        endpoint = getattr(route, "path", None) or "other"
-        code = status["code"]
-        outcome = ("success" if code < 400 else "rejected" if code == 429
-                   else "cancelled" if code == 499 else "client_error" if code < 500
-                   else "server_error")
-        self.metrics.requests.labels(endpoint, outcome).inc()
-        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
-
-
-# --------------------------------------------------------------------------- app
-
-
-def _param_of(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
 
 
 def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, model_id: str = "omni",
