@@ -1,13 +1,30 @@
-"""ASGI middleware: the request-body limit and the request metrics."""
+"""What runs around every route: the API key check, the request-body limit, request metrics."""
 
 from __future__ import annotations
 
+import hmac
 import time
 
+from fastapi import Request
+
 from omni_serve.errors import APIError
+from omni_serve.state import server_state
 
 
-class _Observe:
+def require_api_key(request: Request) -> None:
+    """The dependency guarding ``/v1/*``: ``Authorization: Bearer <key>`` when the server has one."""
+    api_key = server_state(request).api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else ""
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class ObserveRequests:
     """Pure ASGI middleware: body-size limit, request counts by outcome, latency."""
 
     def __init__(self, app, metrics, max_body: int) -> None:
