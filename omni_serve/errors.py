@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omni_serve.engine import Engine, EngineError, Job, QueueFull
+from omni_serve.engine import Job
 from omni_serve.schemas import error_body
 
 
@@ -64,18 +64,8 @@ def add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api)
 
 
-def submit(engine: Engine, kind: str, params: dict, prefix: str) -> Job:
-    try:
-        return engine.submit(kind, params, prefix=prefix)
-    except QueueFull as exc:
-        raise APIError(429, "the server is busy: the request queue is full; retry later",
-                       type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
-    except EngineError as exc:
-        raise APIError(503, str(exc), type="server_error", code="worker_failed") from None
-
-
 def job_error(job: Job) -> APIError:
+    """The error a client gets for a job that did not complete."""
     if job.status == "cancelled":
         return APIError(499, "the request was cancelled", code="cancelled")
     etype, message = job.error or ("server_error", "unknown error")

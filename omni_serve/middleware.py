@@ -12,7 +12,7 @@ from omni_serve.state import server_state
 
 
 def require_api_key(request: Request) -> None:
-    """The dependency guarding ``/v1/*``: ``Authorization: Bearer <key>`` when the server has one."""
+    """The dependency guarding ``/v1/*``: ``Authorization: Bearer <key>`` when a key is set."""
     api_key = server_state(request).api_key
     if api_key is None:
         return
@@ -24,57 +24,64 @@ def require_api_key(request: Request) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def _outcome(status: int) -> str:
+    """The ``outcome`` label of a response status in the request metrics."""
+    if status < 400:
+        return "success"
+    if status == 429:
+        return "rejected"
+    if status == 499:
+        return "cancelled"
+    return "client_error" if status < 500 else "server_error"
+
+
 class ObserveRequests:
     """Pure ASGI middleware: body-size limit, request counts by outcome, latency."""
 
     def __init__(self, app, metrics, max_body: int) -> None:
         self.app, self.metrics, self.max_body = app, metrics, max_body
 
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body} bytes",
+                        code="body_too_large")
+
+    def _declares_too_large(self, scope) -> bool:
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is None:
+            return False
+        try:
+            return int(length) > self.max_body
+        except ValueError:
+            return True
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status = {"code": 500}
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        too_big = False
-        if length is not None:
-            try:
-                too_big = int(length) > self.max_body
-            except ValueError:
-                too_big = True
-        if too_big:
-            response = APIError(413, f"request body larger than {self.max_body} bytes",
-                                code="body_too_large").response()
-            status["code"] = 413
-            await response(scope, receive, send)
-        else:
-            received = {"n": 0}
+        status, received = 500, 0
 
-            async def limited_receive():
-                message = await receive()
-                if message["type"] == "http.request":
-                    received["n"] += len(message.get("body", b""))
-                    if received["n"] > self.max_body:
-                        raise APIError(413, f"request body larger than {self.max_body} bytes",
-                                       code="body_too_large")
-                return message
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise self._too_large()
+            return message
 
-            async def observed_send(message):
-                if message["type"] == "http.response.start":
-                    status["code"] = message["status"]
-                await send(message)
+        async def observed_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
 
-            try:
-                await self.app(scope, limited_receive, observed_send)
-            except APIError as exc:
-                status["code"] = exc.status
-                await exc.response()(scope, receive, send)
-        route = scope.get("route")
-        endpoint = getattr(route, "path", None) or "other"
-        code = status["code"]
-        outcome = ("success" if code < 400 else "rejected" if code == 429
-                   else "cancelled" if code == 499 else "client_error" if code < 500
-                   else "server_error")
-        self.metrics.requests.labels(endpoint, outcome).inc()
+        try:
+            if self._declares_too_large(scope):
+                raise self._too_large()
+            await self.app(scope, limited_receive, observed_send)
+        except APIError as exc:
+            status = exc.status
+            await exc.response()(scope, receive, send)
+        endpoint = getattr(scope.get("route"), "path", None) or "other"
+        self.metrics.requests.labels(endpoint, _outcome(status)).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
-from omni_serve.engine import Engine, Job
+from omni_serve.engine import Engine, EngineError, Job, QueueFull
 from omni_serve.errors import APIError
 from omni_serve.files import FileStore
 from omni_serve.schemas import VideoCreateRequest, parse_size
@@ -36,29 +36,38 @@ class ServerState:
     def name_of(self, engine: Engine) -> str:
         return engine.name or self.model_id
 
-    def engine_for(self, kind: str) -> Engine:
-        for engine in self.engines:
-            if engine.kind == kind:
-                return engine
-        return self.engines[0]
-
-    def check_model(self, req, kind: str) -> Engine:
-        names = [self.name_of(e) for e in self.engines]
-        if req.model is not None and req.model not in names:
-            raise APIError(400, f"model {req.model!r} is not served here; this server serves "
-                                f"{', '.join(map(repr, names))}", param="model",
-                           code="model_not_found")
-        engine = self.engine_for(kind)
-        if req.model is not None:
-            engine = next(e for e in self.engines if self.name_of(e) == req.model)
-        served = engine.kind
-        if served is not None and served != kind:
-            raise APIError(400, f"model {self.name_of(engine)!r} generates {served}s, not {kind}s",
-                           param="model", code="unsupported_model")
+    def engine_for(self, req, kind: str) -> Engine:
+        """The engine that serves ``req``: the one it names, else the first of ``kind``
+        (else the first); APIError when it names none of them, makes another kind, or its
+        worker is not ready."""
+        if req.model is None:
+            engine = next((e for e in self.engines if e.kind == kind), self.engines[0])
+        else:
+            engine = next((e for e in self.engines if self.name_of(e) == req.model), None)
+            if engine is None:
+                names = ", ".join(repr(self.name_of(e)) for e in self.engines)
+                raise APIError(400, f"model {req.model!r} is not served here; this server "
+                                    f"serves {names}", param="model", code="model_not_found")
+        if engine.kind is not None and engine.kind != kind:
+            raise APIError(400, f"model {self.name_of(engine)!r} generates {engine.kind}s, "
+                                f"not {kind}s", param="model", code="unsupported_model")
         if not engine.ready:
             raise APIError(503, "the model worker is not ready", type="server_error",
                            code="not_ready", headers={"Retry-After": "1"})
         return engine
+
+    def submit(self, req, kind: str, prefix: str, n: int = 1) -> tuple[Engine, Job]:
+        """Queue ``req`` on its engine (:meth:`engine_for`): the engine and the new job, or
+        APIError 429 when the queue is full, 503 when the worker has failed."""
+        engine = self.engine_for(req, kind)
+        try:
+            return engine, engine.submit(kind, self.params_of(req, n), prefix=prefix)
+        except QueueFull as exc:
+            raise APIError(429, "the server is busy: the request queue is full; retry later",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineError as exc:
+            raise APIError(503, str(exc), type="server_error", code="worker_failed") from None
 
     def params_of(self, req, n: int = 1) -> dict[str, Any]:
         width, height = parse_size(req.size or self.default_size)

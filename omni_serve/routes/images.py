@@ -10,8 +10,8 @@ import json
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_serve.engine import Engine, Job
-from omni_serve.errors import APIError, job_error, submit
+from omni_serve.engine import TERMINAL, Engine, Job
+from omni_serve.errors import APIError, job_error
 from omni_serve.media import IMAGE_MEDIA_TYPES
 from omni_serve.middleware import require_api_key
 from omni_serve.schemas import ImageGenerationRequest, error_body
@@ -56,12 +56,22 @@ def server_timing(job: Job) -> str:
 @router.post("/v1/images/generations", dependencies=[Depends(require_api_key)])
 async def images_generations(req: ImageGenerationRequest, request: Request,
                              server: ServerState = Depends(server_state)):
-    engine = server.check_model(req, "image")
-    job = submit(engine, "image", server.params_of(req, req.n), "img")
+    engine, job = server.submit(req, "image", prefix="img", n=req.n)
     if req.stream:
         return StreamingResponse(_sse(server, engine, job, request, req),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})
+    await _until_finished(engine, job, request)
+    if job.status != "completed":
+        raise job_error(job)
+    payload = await asyncio.to_thread(image_payload, server, job, request, req)
+    engine.forget(job.id)
+    return JSONResponse(payload, headers={"X-Request-Id": job.id,
+                                          "Server-Timing": server_timing(job)})
+
+
+async def _until_finished(engine: Engine, job: Job, request: Request) -> None:
+    """Wait for the job's terminal event; cancel it when the client goes away."""
     try:
         while True:
             try:
@@ -71,17 +81,11 @@ async def images_generations(req: ImageGenerationRequest, request: Request,
                     engine.cancel(job.id)
                     raise APIError(499, "client disconnected", code="cancelled") from None
                 continue
-            if what in ("done", "error", "cancelled"):
-                break
+            if what in TERMINAL:
+                return
     except asyncio.CancelledError:
         engine.cancel(job.id)
         raise
-    if job.status != "completed":
-        raise job_error(job)
-    payload = await asyncio.to_thread(image_payload, server, job, request, req)
-    engine.forget(job.id)
-    return JSONResponse(payload, headers={"X-Request-Id": job.id,
-                                          "Server-Timing": server_timing(job)})
 
 
 async def _sse(server: ServerState, engine: Engine, job: Job, request: Request,

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from omni_serve.engine import Engine, Job
-from omni_serve.errors import APIError, submit
+from omni_serve.errors import APIError
 from omni_serve.media import FPS, encode_apng, encode_mp4, encode_spritesheet
 from omni_serve.middleware import require_api_key
 from omni_serve.schemas import VideoCreateRequest, seconds_of
@@ -30,8 +30,7 @@ def video_object(server: ServerState, engine: Engine, job: Job) -> dict:
     known: :func:`omni_serve.schemas.seconds_of`)."""
     completed = job.status == "completed"
     frames = len(job.result["frames"]) if completed else job.params.get("num_frames")
-    obj = {"id": job.id, "object": "video", "model": server.name_of(engine),
-           "status": job.status,
+    obj = {"id": job.id, "object": "video", "model": server.name_of(engine), "status": job.status,
            "progress": round(job.progress * 100), "created_at": int(job.created),
            "completed_at": int(job.finished) if completed else None,
            "expires_at": int(job.finished + engine.keep_videos_s) if completed else None,
@@ -44,37 +43,45 @@ def video_object(server: ServerState, engine: Engine, job: Job) -> dict:
     return obj
 
 
+async def _form_fields(request: Request, content_type: str) -> dict[str, Any]:
+    """The text fields of a form body, each given once (``input_reference`` may be a file,
+    so that it is refused by name)."""
+    try:
+        form = await request.form(max_files=1, max_fields=32)
+    except (MultiPartException, StarletteHTTPException, UnicodeDecodeError, ValueError) as exc:
+        raise APIError(400, f"the body is not valid {content_type}: {exc}",
+                       code="invalid_value") from None
+    fields: dict[str, Any] = {}
+    try:
+        for key, value in form.multi_items():
+            if key in fields:
+                raise APIError(400, f"{key}: given more than once", param=key,
+                               code="invalid_value")
+            if not isinstance(value, str) and key != "input_reference":
+                raise APIError(400, f"{key}: must be a text field, not a file",
+                               param=key, code="invalid_value")
+            fields[key] = value
+    finally:
+        await form.close()
+    return fields
+
+
+async def _json_fields(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                       "msg": "invalid JSON"}]) from None
+
+
 async def video_request(request: Request) -> VideoCreateRequest:
     """The create body as JSON, or as form fields (OpenAI's SDK posts multipart/form-data;
     form values are strings, so they are validated in pydantic's lax mode)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        try:
-            form = await request.form(max_files=1, max_fields=32)
-        except (MultiPartException, StarletteHTTPException, UnicodeDecodeError,
-                ValueError) as exc:
-            raise APIError(400, f"the body is not valid {content_type}: {exc}",
-                           code="invalid_value") from None
-        fields: Any = {}
-        try:
-            for key, value in form.multi_items():
-                if key in fields:
-                    raise APIError(400, f"{key}: given more than once", param=key,
-                                   code="invalid_value")
-                if not isinstance(value, str) and key != "input_reference":
-                    raise APIError(400, f"{key}: must be a text field, not a file",
-                                   param=key, code="invalid_value")
-                fields[key] = value
-        finally:
-            await form.close()
-        strict = False
+        fields, strict = await _form_fields(request, content_type), False
     elif content_type in ("", "application/json") or content_type.endswith("+json"):
-        try:
-            fields = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
-                                           "msg": "invalid JSON"}]) from None
-        strict = True
+        fields, strict = await _json_fields(request), True
     else:
         raise APIError(415, f"Content-Type {content_type!r} is not accepted: send "
                             "application/json or multipart/form-data",
@@ -97,8 +104,7 @@ _video_body = VideoCreateRequest.model_json_schema()
                                   "multipart/form-data": {"schema": _video_body}}}})
 async def create_video(request: Request, server: ServerState = Depends(server_state)):
     req = await video_request(request)
-    engine = server.check_model(req, "video")
-    job = submit(engine, "video", server.params_of(req), "video")
+    engine, job = server.submit(req, "video", prefix="video")
     return video_object(server, engine, job)
 
 
