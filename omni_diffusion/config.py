@@ -21,7 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
+from omni_kernels.quant import QUANT_METHODS
+
 CACHE_KINDS = ("first_block", "teacache", "cache_dit")
 COMPILE_MODES = (False, True, "regional")
 ATTENTION_AUTO = "auto"

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,
@@ -52,7 +52,7 @@ from omni_diffusion.adapters.base import (
     replacement_processor,
     rms_norm_params,
 )
-from omni_diffusion.quantization import (
+from omni_diffusion.quantization.norm_fusion import (
     class_forward,
     layer_norm_unfit,
     quantize_modulated_norm,

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,

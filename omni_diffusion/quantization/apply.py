@@ -14,12 +14,13 @@ from torch import nn
 from omni_diffusion.quantization.activations import _ActivationSite, _fold_activation, _record_activations, \
     plan_activation_fusion
 from omni_diffusion.quantization.concat_free import install_concat_free_forwards
+from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.config import QuantConfig
 from omni_diffusion.quantization.modules import _replace
 from omni_diffusion.quantization.norm_fusion import install_norm_fused_forwards
 from omni_diffusion.quantization.plan import _check_hardware, _warn_idle_layer_methods, plan_quantization
 from omni_diffusion.quantization.projections import _FUSED_PROJECTIONS, _FusedAttention, _fuse_attention, \
-    _fusion_groups, _record_fusion, _resolve_adapter, _unfuse_attention, plan_fusion
+    _fusion_groups, _record_fusion, _unfuse_attention, plan_fusion
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     _warn_idle_layer_methods(plans, config)
     _check_hardware(module, plans, config)
     if config.fuses_projections or config.fuses_activations or config.fuses_norms:  # the family's declarations
-        adapter = _resolve_adapter(module, adapter)
+        adapter = resolve_adapter(module, adapter)
     fusing = plan_fusion(module, config, adapter, plans)
     method_of = {p.name: p.method for p in plans}
     member_of = {f"{a}.{m}": a for a in fusing for _, members in _fusion_groups(module.get_submodule(a))

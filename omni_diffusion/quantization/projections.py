@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.config import QuantConfig
 from omni_diffusion.quantization.plan import LayerPlan, plan_quantization
 
@@ -54,17 +55,6 @@ class _FusedAttention:
     # attn's submodule names in their order before fusion: unfusing puts the order back,
     # so named_modules() and state_dict() list them as before
     module_order: tuple[str, ...] = ()
-
-
-def _resolve_adapter(module: nn.Module, adapter: ModelAdapter | None) -> ModelAdapter | None:
-    if adapter is not None:
-        return adapter
-    from omni_diffusion.adapters import adapter_for_transformer
-
-    try:
-        return adapter_for_transformer(module)
-    except ValueError:  # not a registered family: nothing declared to fuse
-        return None
 
 
 def _fusion_groups(attn: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
@@ -101,7 +91,7 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
     when ``config.fuses_projections`` is off.
     """
     config = QuantConfig.from_dict(config)
-    adapter = _resolve_adapter(module, adapter)
+    adapter = resolve_adapter(module, adapter)
     if not config.fuses_projections or adapter is None or not adapter.fusable_attention:
         return []
     plans = plan_quantization(module, config) if plans is None else plans

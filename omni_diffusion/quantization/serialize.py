@@ -14,11 +14,12 @@ from omni_diffusion.quantization.activations import _ActivationSite, _fold_activ
     fused_activations
 from omni_diffusion.quantization.apply import quantized_layers
 from omni_diffusion.quantization.concat_free import install_concat_free_forwards
+from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.config import QuantConfig
 from omni_diffusion.quantization.modules import _replace
 from omni_diffusion.quantization.norm_fusion import install_norm_fused_forwards
 from omni_diffusion.quantization.projections import _FusedAttention, _fuse_attention, _record_fusion, \
-    _resolve_adapter, _unfuse_attention, _unfused_name, fused_attention
+    _unfuse_attention, _unfused_name, fused_attention
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def load_quantized(
     already = set(fused_attention(module))
     fused: list[tuple[_FusedAttention, dict[str, nn.Module]]] = []
     if fused_names:
-        adapter = _resolve_adapter(module, adapter)
+        adapter = resolve_adapter(module, adapter)
     targets = {}
     try:
         for name in fused_names:
@@ -171,7 +172,7 @@ def load_quantized(
         except AttributeError:
             raise ValueError(f"{path} folds {site.activation} into {site.consumer}, which {model} does not have") from None
     _record_activations(module, sites)
-    adapter = _resolve_adapter(module, adapter)
+    adapter = resolve_adapter(module, adapter)
     install_norm_fused_forwards(module, adapter)
     if sites:
         install_concat_free_forwards(module, adapter)
