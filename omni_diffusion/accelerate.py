@@ -11,43 +11,21 @@ on a diffusers pipeline in one call, and ``undo(pipe)`` to take them off again.
     od.last_cache_stats(pipe)          # hits of that call (also pipe.omni_stats)
     od.undo(pipe)                      # back to the original modules
 
-What is applied, to every denoiser the family's adapter names
-(:mod:`omni_diffusion.adapters`), in this order:
+Each feature is one object or function that changes the pipeline and returns its undo,
+applied to every denoiser the family's adapter (:mod:`omni_diffusion.adapters`) names, in
+this order: parallelism's weight sharding, ``quant``
+(:func:`omni_diffusion.quantization.apply_quantization`), fused QK-norm + RoPE, ``attention``,
+``cache`` (:mod:`omni_diffusion.cache`), the attention policy, sequence parallelism,
+``compile`` (:mod:`omni_diffusion.compile`, at the first call) and the prompt stage.
 
-1. ``quant``: :func:`omni_diffusion.quantization.quantize` swaps the linear
-   layers in place, skipping the adapter's patterns plus ``quant_skip``, giving
-   the adapter's ``quant_weight_only`` layers (adaLN modulation) 8-bit weights
-   only (INT8 weight-only under a W8A8 method; the caller's
-   ``quant_options["layer_methods"]`` and ``quant_skip`` take precedence), and
-   (W8A8, unless ``quant_options={"fuse_projections": False}``) fusing the
-   attention q/k/v projections the adapter declares. The original linear
-   modules are kept (their weights moved to CPU memory while quantized, when
-   they were on a GPU) and put back by :func:`undo`, which also removes the
-   fused layers and restores the attention processors.
-2. ``attention``: omni's attention through the adapter (diffusers' attention
-   dispatcher pointed at omni's backend; SD3 gets an omni processor).
-   ``"auto"`` lets omni pick per GPU and shape.
-3. ``cache``: First-Block-Cache / TeaCache hooks (:mod:`omni_diffusion.cache`),
-   or cache-dit on the whole pipeline.
-4. ``compile``: regional ``torch.compile``: each repeated block class the
-   model declares (diffusers' ``compile_repeated_blocks``) or the adapter
-   lists is compiled with ``block.compile(...)`` (the forward that sequence
-   parallelism's forward wrapper holds, or a hooked block's ``forward``, alone:
-   the per-forward bookkeeping then runs eagerly around the compiled region);
-   ``cuda_graphs`` adds CUDA-graph capture (mode ``"reduce-overhead"``).
-   Compilation happens at the first call.
+When caching, progress or a prompt stage is asked for, the pipeline's class is swapped for a
+subclass of the same name whose ``__call__`` opens a fresh cache state per call (isolated
+between concurrent calls), reports progress and stores the call's
+:class:`~omni_diffusion.cache.CacheStats` as ``pipe.omni_stats``.
 
-When caching or a progress callback is asked for, the pipeline's class is
-swapped for a subclass of the same name whose ``__call__`` opens a fresh
-cache state for every call (see :mod:`omni_diffusion.cache.state`: reset per
-call, isolated between concurrent calls), reports progress, and stores the
-call's :class:`~omni_diffusion.cache.CacheStats` as ``pipe.omni_stats``.
-
-:func:`undo` restores exactly what was there: the same module objects (linear
-layers, processors' backends, block lists' classes), no compiled regions,
-no hooks, the pipeline's own class. Calling :func:`accelerate` on a pipeline
-that is already accelerated first undoes the previous configuration and then
-applies the new one (it never stacks).
+:func:`undo` restores exactly what was there (the same module objects, no compiled regions,
+no hooks, the pipeline's own class). :func:`accelerate` on an accelerated pipeline undoes the
+previous configuration first: it never stacks.
 """
 
 from __future__ import annotations
@@ -132,8 +110,7 @@ def accelerate(
         ValueError: unsupported pipeline (the message lists the supported
             ones), a config the model cannot take, a transformer shared with
             another accelerated pipeline.
-        ImportError: ``quant`` without :mod:`omni_diffusion.quantization`, or
-            ``cache="cache_dit"`` without the cache-dit package.
+        ImportError: ``cache="cache_dit"`` without the cache-dit package.
     """
     if config is None:
         config = AccelConfig()

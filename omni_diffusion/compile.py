@@ -19,9 +19,9 @@ def mark_graph_steps(transformer: nn.Module) -> Callable[[], None]:
     The repeated blocks share one compiled graph, so each forward replays it once per
     block. Without a step boundary, CUDA-graph trees take the first block of the next
     forward for a replay that may overwrite static outputs still alive, and raise on
-    access ("accessing tensor output of CUDAGraphs that has been overwritten"); an H200
-    run of Flux with cuda_graphs=True did. The transformer's own output comes from
-    eager code after the last block, so nothing a caller keeps lives in graph memory.
+    access ("accessing tensor output of CUDAGraphs that has been overwritten"). The
+    transformer's own output comes from eager code after the last block, so nothing a caller
+    keeps lives in graph memory.
     """
     def begin_step(module: nn.Module, args: tuple) -> None:
         torch.compiler.cudagraph_mark_step_begin()

@@ -58,17 +58,16 @@ class QuantConfig:
             ``omni_kernels.quant.linear.FAST_ACCUM_MAX_K``).
         fuse_projections: fuse the attention projections that read one input
             (q/k/v, and the added text q/k/v) into one layer each before
-            quantizing, where the model's adapter declares them (module
-            docstring): one activation quantization and one GEMM instead of
+            quantizing, where the model's adapter declares them
+            (:mod:`.projections`): one activation quantization and one GEMM instead of
             three, the same numbers. ``None`` (default): on for the W8A8
             methods, off for weight-only ones (no activation quantization to
-            save). Not yet timed on a GPU: ``bench/pipeline.py`` rows (d) and
-            (d0) compare the two.
+            save).
         fuse_activations: fold the GELUs the model's adapter declares
-            (module docstring) into the W8A8 layer reading their output. ``None``
+            (:mod:`.activations`) into the W8A8 layer reading their output. ``None``
             (default): on for W8A8 methods; ``True`` with a weight-only method is
             an error.
-        fuse_norms: give the blocks the model's adapter declares (module docstring) a
+        fuse_norms: give the blocks the model's adapter declares (:mod:`.norm_fusion`) a
             forward that quantizes each LayerNorm + adaLN output once, in omni's fused
             kernel, for all the W8A8 layers reading it. ``None`` (default): on for W8A8
             methods; ``True`` with a weight-only method is an error.
@@ -79,12 +78,10 @@ class QuantConfig:
     modulation, the GELU) instead of writing that input in 16 bits and reading it
     back; ``"torch"`` asks for the torch ops in eager mode too (slow there: the
     float32 reference), ``"cuda"``/``"triton"`` for the kernel under compile too.
-    ``"split"`` (opt-in, not yet timed: ``bench/pipeline.py`` row (d2) against (d))
-    is ``"auto"`` in eager mode and picks per layer under compile: the fused torch
-    ops for ``in_features <= split_k``, the kernel op (which reads the materialized
-    16-bit input once) above, for wide inputs that Inductor fuses poorly (an H200
-    profile of Flux: the K=15360 ``proj_out`` input of the single blocks took two
-    passes).
+    ``"split"`` (opt-in) is ``"auto"`` in eager mode and picks per layer under compile:
+    the fused torch ops for ``in_features <= split_k``, the kernel op (which reads the
+    materialized 16-bit input once) above, for wide inputs that Inductor fuses poorly
+    (Flux's single blocks' ``proj_out``, K = 15360).
     """
 
     method: str = "fp8"

@@ -47,8 +47,8 @@ def apply_quantization(transformer: nn.Module, adapter: ModelAdapter, config: Ac
     ]
     # Keep the originals for undo without holding GPU memory: their tensors go to CPU unless
     # the module now in their place shares them (a bias, say). Each linear goes as soon as
-    # quantize() releases it, so the model never holds both precisions in full (a bf16 Flux
-    # is 22 GiB; with all its FP8 layers beside it, 33). Projections fused into one layer
+    # quantize() releases it, so the model never holds both precisions in full (for Flux, half
+    # as much memory again). Projections fused into one layer
     # (QuantConfig.fuse_projections) were removed: kept here too.
     moved: list[tuple[torch.Tensor, torch.device]] = []
 

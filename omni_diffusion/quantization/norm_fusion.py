@@ -1,6 +1,6 @@
 """Blocks that quantize their LayerNorm + adaLN output once, for every W8A8 layer reading it.
 
-Likewise a block's LayerNorm + adaLN modulation output that only W8A8 layers read
+A block's LayerNorm + adaLN modulation output that only W8A8 layers read
 (a DiT block's attention and MLP inputs) is quantized once, in omni's norm/adaLN-fused
 kernel, where the adapter declares the block
 (:attr:`~omni_diffusion.adapters.base.ModelAdapter.norm_fusions`,

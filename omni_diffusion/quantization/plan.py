@@ -1,6 +1,6 @@
 """Which linear layers :func:`~omni_diffusion.quantization.quantize` quantizes, and how.
 
-Which layers are quantized (:func:`plan_quantization`), for each ``nn.Linear`` by name:
+For each ``nn.Linear``, by name (:func:`plan_quantization`):
 
 1. a ``skip`` pattern matches the layer or one of its parents (``fnmatch``,
    ``*`` crosses dots: ``"time_text_embed"`` keeps every linear under it,
@@ -13,19 +13,12 @@ Which layers are quantized (:func:`plan_quantization`), for each ``nn.Linear`` b
    the layer (the caller asked for that very layer);
 5. otherwise quantized, with the method of the first ``layer_methods`` pattern
    that matches the layer or one of its parents (same matching as ``skip``), else
-   ``method``: e.g. ``layer_methods={"*.norm1.linear": "int8_weight_only"}`` gives
-   Flux's adaLN modulation linears (one input row per sample, a GEMV) 8-bit weights
-   only while every other layer is FP8 W8A8. :func:`save_quantized` records each
-   layer's method and :func:`load_quantized` rebuilds it.
+   ``method`` (e.g. ``{"*.norm1.linear": "int8_weight_only"}`` for adaLN modulation
+   linears, one input row per sample).
 
-A ``skip`` or ``include`` pattern that matches no module at all, or a
-``layer_methods`` pattern that matches no linear layer, raises ``ValueError`` (a
-typo would otherwise silently quantize a layer meant to stay bf16, or with the
-wrong method). There are no per-model defaults in this module (``DEFAULT_SKIP`` is
-empty): which layers of Flux, SD3, Wan or Qwen-Image stay in full precision is
-measured per family and passed in by the caller (the runtime's model adapters).
-Typical choices keep the input embedders, the timestep/text embedders and the
-final projection (``proj_out``) in bf16.
+A pattern that matches nothing raises ``ValueError`` (a typo would otherwise silently
+quantize a layer meant to stay bf16). There are no per-model defaults here: the family's
+adapter passes its skip list.
 
 FP8 needs FP8 tensor cores (CUDA compute capability >= 8.9): :func:`quantize`
 raises ``RuntimeError`` for an FP8 method on a model that sits on an older GPU;
