@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from omni_diffusion.quantization.modules import _replace
+from omni_diffusion.quantization.modules import append_record, is_instance_of, replace_submodule
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class GELUProjection(nn.Module):
 
 
 @dataclass(frozen=True)
-class _ActivationSite:
+class ActivationSite:
     """One GELU to fold: full module names and the consumer's first activated input column."""
 
     activation: str
@@ -62,15 +62,14 @@ def _is_tanh_gelu(module: nn.Module) -> str | None:
     ``GELU`` with ``approximate="tanh"`` (a ``proj`` linear then the GELU), else ``None``."""
     if isinstance(module, nn.GELU):
         return "module" if module.approximate == "tanh" else None
-    names = {cls.__name__ for cls in type(module).__mro__}
-    if "GELU" in names and getattr(module, "approximate", None) == "tanh" and isinstance(
+    if is_instance_of(module, "GELU") and getattr(module, "approximate", None) == "tanh" and isinstance(
         getattr(module, "proj", None), (nn.Linear, QuantizedLinear)
     ):
         return "projection"
     return None
 
 
-def plan_activation_fusion(module: nn.Module, adapter: ModelAdapter | None) -> list[_ActivationSite]:
+def plan_activation_fusion(module: nn.Module, adapter: ModelAdapter | None) -> list[ActivationSite]:
     """The GELUs of ``module`` that :func:`quantize` folds into the W8A8 layer reading them.
 
     For each of the adapter's :class:`~omni_diffusion.adapters.base.ActivationFusion`, every
@@ -83,9 +82,8 @@ def plan_activation_fusion(module: nn.Module, adapter: ModelAdapter | None) -> l
         return []
     sites = []
     for owner_name, owner in module.named_modules():
-        owner_classes = {cls.__name__ for cls in type(owner).__mro__}
         for fusion in adapter.activation_fusions:
-            if fusion.owner_class not in owner_classes:
+            if not is_instance_of(owner, fusion.owner_class):
                 continue
             prefix = f"{owner_name}." if owner_name else ""
             try:
@@ -115,11 +113,11 @@ def plan_activation_fusion(module: nn.Module, adapter: ModelAdapter | None) -> l
                 logger.debug("quantize: not folding %s%s into %s%s: %s", prefix, fusion.activation, prefix,
                              fusion.consumer, why)
                 continue
-            sites.append(_ActivationSite(prefix + fusion.activation, prefix + fusion.consumer, activation_from))
+            sites.append(ActivationSite(prefix + fusion.activation, prefix + fusion.consumer, activation_from))
     return sites
 
 
-def _fold_activation(module: nn.Module, site: _ActivationSite) -> None:
+def fold_activation(module: nn.Module, site: ActivationSite) -> None:
     activation = module.get_submodule(site.activation)
     kind = _is_tanh_gelu(activation)
     if kind is None:
@@ -128,12 +126,11 @@ def _fold_activation(module: nn.Module, site: _ActivationSite) -> None:
     if not isinstance(consumer, QuantizedLinear):
         raise ValueError(f"cannot fold {site.activation} into {site.consumer}: not a QuantizedLinear")
     consumer.set_input_activation("gelu_tanh", site.activation_from)
-    _replace(module, site.activation, nn.Identity() if kind == "module" else GELUProjection(activation))
+    replace_submodule(module, site.activation, nn.Identity() if kind == "module" else GELUProjection(activation))
 
 
-def _record_activations(module: nn.Module, sites: list[_ActivationSite]) -> None:
-    if sites:
-        module.__dict__[_ACTIVATION_RECORD_ATTR] = [*module.__dict__.get(_ACTIVATION_RECORD_ATTR, []), *sites]
+def record_activations(module: nn.Module, sites: list[ActivationSite]) -> None:
+    append_record(module, _ACTIVATION_RECORD_ATTR, sites)
 
 
 def forget_folded_activations(module: nn.Module) -> None:

@@ -11,16 +11,27 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from omni_diffusion.quantization.activations import _ActivationSite, _fold_activation, _record_activations, \
-    plan_activation_fusion
-from omni_diffusion.quantization.concat_free import install_concat_free_forwards
+from omni_diffusion.quantization.activations import (
+    ActivationSite,
+    fold_activation,
+    plan_activation_fusion,
+    record_activations,
+)
 from omni_diffusion.quantization.adapter_lookup import resolve_adapter
+from omni_diffusion.quantization.concat_free import install_concat_free_forwards
 from omni_diffusion.quantization.config import QuantConfig
-from omni_diffusion.quantization.modules import _replace
+from omni_diffusion.quantization.modules import replace_submodule
 from omni_diffusion.quantization.norm_fusion import install_norm_fused_forwards
-from omni_diffusion.quantization.plan import _check_hardware, _warn_idle_layer_methods, plan_quantization
-from omni_diffusion.quantization.projections import _FUSED_PROJECTIONS, _FusedAttention, _fuse_attention, \
-    _fusion_groups, _record_fusion, _unfuse_attention, plan_fusion
+from omni_diffusion.quantization.plan import LayerPlan, check_hardware, plan_quantization, warn_idle_layer_methods
+from omni_diffusion.quantization.projections import (
+    FUSED_PROJECTIONS,
+    FusedAttention,
+    fuse_attention_module,
+    fusion_groups,
+    plan_fusion,
+    record_fusion,
+    unfuse_attention_module,
+)
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -37,7 +48,7 @@ def _swap_linear(module: nn.Module, name: str, method: str, options: dict,
         new = QuantizedLinear.from_linear(linear, method, **options)
     new.train(linear.training)
     if name:
-        _replace(module, name, new)
+        replace_submodule(module, name, new)
         if on_released is not None:
             on_released(name, linear)
         return None
@@ -57,7 +68,7 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     replacement is returned (it cannot be swapped in place).
 
     With ``config.fuses_projections``, the attention projections
-    :func:`plan_fusion` names are fused first (module docstring), one attention
+    :func:`plan_fusion` names are fused first (:mod:`.projections`), one attention
     at a time just before its fused layers are quantized; :func:`fused_attention`
     lists them afterwards. ``adapter``: the model family's
     :class:`~omni_diffusion.adapters.base.ModelAdapter` (default: looked up from
@@ -77,17 +88,47 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
     """
     config = QuantConfig() if config is None else QuantConfig.from_dict(config)
     plans = plan_quantization(module, config)
-    _warn_idle_layer_methods(plans, config)
-    _check_hardware(module, plans, config)
+    warn_idle_layer_methods(plans, config)
+    check_hardware(module, plans, config)
     if config.fuses_projections or config.fuses_activations or config.fuses_norms:  # the family's declarations
         adapter = resolve_adapter(module, adapter)
+    replaced, fused = _swap_layers(module, plans, config, adapter, on_released)
+    record_fusion(module, fused)
+    folded: list[ActivationSite] = []
+    if config.fuses_activations and replaced is None:
+        folded = plan_activation_fusion(module, adapter)
+        for site in folded:
+            fold_activation(module, site)
+        record_activations(module, folded)
+    norm_fused = install_norm_fused_forwards(module, adapter) if config.fuses_norms and replaced is None else []
+    if config.fuse_norms and not norm_fused:  # asked for explicitly
+        logger.warning(
+            "quantize: fuse_norms=True, but no block of %s took a norm-fused forward (%s; debug logging "
+            "says why each declared block did not)", type(module).__name__,
+            "no model adapter" if adapter is None else
+            f"the {adapter.name!r} adapter declares none" if not adapter.norm_fusions else
+            f"the {adapter.name!r} adapter declares {', '.join(f.owner_class for f in adapter.norm_fusions)}",
+        )
+    if config.fuses_activations and replaced is None:
+        install_concat_free_forwards(module, adapter)
+    _log_summary(module, config, plans, len(fused), len(folded), len(norm_fused))
+    return replaced if replaced is not None else module
+
+
+def _swap_layers(
+    module: nn.Module, plans: list[LayerPlan], config: QuantConfig, adapter: ModelAdapter | None,
+    on_released: Callable[[str, nn.Module], None] | None,
+) -> tuple[nn.Module | None, list[tuple[FusedAttention, dict[str, nn.Module]]]]:
+    """Quantize the planned layers, fusing each attention :func:`plan_fusion` names just before
+    its fused layers; returns the root's replacement (``module`` itself a linear, else None) and
+    the fused attentions with their removed layers. On an error the fusions are taken back."""
     fusing = plan_fusion(module, config, adapter, plans)
     method_of = {p.name: p.method for p in plans}
-    member_of = {f"{a}.{m}": a for a in fusing for _, members in _fusion_groups(module.get_submodule(a))
+    member_of = {f"{a}.{m}": a for a in fusing for _, members in fusion_groups(module.get_submodule(a))
                  for m in members}
     options = config.layer_options()
     replaced = None
-    fused: list[tuple[_FusedAttention, dict[str, nn.Module]]] = []
+    fused: list[tuple[FusedAttention, dict[str, nn.Module]]] = []
     done: set[str] = set()
     try:
         for plan in plans:
@@ -102,9 +143,9 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
             if attn_name in done:
                 continue  # its fused layers are already quantized
             done.add(attn_name)
-            fused.append(_fuse_attention(module, attn_name, adapter))
+            fused.append(fuse_attention_module(module, attn_name, adapter))
             attn = module.get_submodule(attn_name)
-            for fused_name, members in _FUSED_PROJECTIONS:
+            for fused_name, members in FUSED_PROJECTIONS:
                 if fused_name in attn._modules:
                     # plan_fusion fuses only triples whose members share one method
                     method = method_of[f"{attn_name}.{members[0]}"]
@@ -115,41 +156,26 @@ def quantize(module: nn.Module, config: QuantConfig | dict | None = None, *,
                     on_released(f"{attn_name}.{member}", layer)
     except BaseException:  # put the separate projections back: the caller may restore the rest
         for record, removed in reversed(fused):
-            _unfuse_attention(module, record, removed)
+            unfuse_attention_module(module, record, removed)
         raise
-    _record_fusion(module, fused)
-    folded: list[_ActivationSite] = []
-    if config.fuses_activations and replaced is None:
-        sites = plan_activation_fusion(module, adapter)
-        for site in sites:
-            _fold_activation(module, site)
-        _record_activations(module, sites)
-        folded = sites
-    norm_fused = install_norm_fused_forwards(module, adapter) if config.fuses_norms and replaced is None else []
-    if config.fuse_norms and not norm_fused:  # asked for explicitly
-        logger.warning(
-            "quantize: fuse_norms=True, but no block of %s took a norm-fused forward (%s; debug logging "
-            "says why each declared block did not)", type(module).__name__,
-            "no model adapter" if adapter is None else
-            f"the {adapter.name!r} adapter declares none" if not adapter.norm_fusions else
-            f"the {adapter.name!r} adapter declares {', '.join(f.owner_class for f in adapter.norm_fusions)}",
-        )
-    if config.fuses_activations and replaced is None:
-        install_concat_free_forwards(module, adapter)
+    return replaced, fused
+
+
+def _log_summary(module: nn.Module, config: QuantConfig, plans: list[LayerPlan], fused: int, folded: int,
+                 norm_fused: int) -> None:
     kept = [p for p in plans if p.action == "keep"]
     others = collections.Counter(p.method for p in plans if p.action == "quantize" and p.method != config.method)
     logger.info(
         "quantize: %s: %d of %d linear layers to %s%s%s%s%s; %d kept in full precision%s",
         type(module).__name__, len(plans) - len(kept), len(plans), config.method,
         f" ({', '.join(f'{n} to {m}' for m, n in others.items())} by layer_methods)" if others else "",
-        f" ({len(fused)} attention modules' q/k/v fused)" if fused else "",
-        f" ({len(folded)} GELUs folded into their consumers' quantization)" if folded else "",
-        f" ({len(norm_fused)} blocks quantize their norm outputs in one fused kernel)" if norm_fused else "",
+        f" ({fused} attention modules' q/k/v fused)" if fused else "",
+        f" ({folded} GELUs folded into their consumers' quantization)" if folded else "",
+        f" ({norm_fused} blocks quantize their norm outputs in one fused kernel)" if norm_fused else "",
         len(kept),
         (" (" + "; ".join(f"{p.name}: {p.reason}" for p in kept[:8]) + ("; ..." if len(kept) > 8 else "") + ")")
         if kept else "",
     )
-    return replaced if replaced is not None else module
 
 
 def quantized_layers(module: nn.Module) -> dict[str, str]:

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from omni_diffusion.quantization.modules import _remove_instance_forwards
+from omni_diffusion.quantization.modules import (
+    append_record,
+    instance_forward_unfit,
+    modules_of_class,
+    remove_instance_forwards,
+)
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -41,10 +45,7 @@ def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None
         function = fusion.concat_free_forward
         if function is None or fusion.concatenated_after is None:
             continue
-        wanted = list(inspect.signature(function).parameters)[1:]
-        for name, owner in module.named_modules():
-            if fusion.owner_class not in {cls.__name__ for cls in type(owner).__mro__}:
-                continue
+        for name, owner in modules_of_class(module, fusion.owner_class):
             try:
                 consumer = owner.get_submodule(fusion.consumer)
                 source = owner.get_submodule(fusion.concatenated_after)
@@ -52,26 +53,22 @@ def install_concat_free_forwards(module: nn.Module, adapter: ModelAdapter | None
                 continue
             # (a tensor-parallel consumer, say, is no QuantizedLinear: its GELU was not folded)
             folded = isinstance(consumer, QuantizedLinear) and consumer.input_activation is not None
-            takes = list(inspect.signature(type(owner).forward).parameters)[1:]
             why = (
                 "its consumer does not apply the folded GELU after the other input"
                 if not folded or consumer.activation_from
                 != consumer.in_features - getattr(source, "out_features", consumer.in_features) else
-                "it already has an instance forward" if "forward" in owner.__dict__ else
-                f"its forward takes {takes}, not {wanted}" if takes != wanted else
-                None
+                instance_forward_unfit(owner, function)
             )
             if why is not None:
                 logger.debug("quantize: %s keeps its forward (and its cat): %s", name, why)
                 continue
             owner.forward = types.MethodType(function, owner)
             installed.append((name, function))
-    if installed:
-        module.__dict__[_CONCAT_FREE_RECORD_ATTR] = [*module.__dict__.get(_CONCAT_FREE_RECORD_ATTR, []), *installed]
+    append_record(module, _CONCAT_FREE_RECORD_ATTR, installed)
     return [name for name, _ in installed]
 
 
 def remove_concat_free_forwards(module: nn.Module) -> None:
     """Undo :func:`install_concat_free_forwards`: the owners' class ``forward`` again (an
     instance ``forward`` that is no longer the installed one is left alone)."""
-    _remove_instance_forwards(module, _CONCAT_FREE_RECORD_ATTR)
+    remove_instance_forwards(module, _CONCAT_FREE_RECORD_ATTR)

@@ -16,6 +16,14 @@ from omni_kernels.quant.linear import ACTIVATION_BACKENDS, check_split_k
 DEFAULT_SKIP: tuple[str, ...] = ()
 
 
+# The fusion switches, and why the ones that act on activation quantization need a W8A8 method.
+_FUSION_FLAGS = (
+    ("fuse_projections", None),
+    ("fuse_activations", "it folds a GELU into the activation quantization"),
+    ("fuse_norms", "it quantizes the norm output for W8A8 layers"),
+)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """How :func:`quantize` quantizes a model; validated on construction (``ValueError``).
@@ -129,32 +137,14 @@ class QuantConfig:
             object.__setattr__(self, "clamp", float(self.clamp))
         if not (isinstance(self.fast_accum, bool) or self.fast_accum == "auto"):
             raise ValueError(f"QuantConfig.fast_accum must be True, False or 'auto'; got {self.fast_accum!r}")
-        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
-            raise ValueError(
-                f"QuantConfig.fuse_projections must be True, False or None (on for W8A8 methods); "
-                f"got {self.fuse_projections!r}"
-            )
-
-        if self.fuse_activations is not None and not isinstance(self.fuse_activations, bool):
-            raise ValueError(
-                f"QuantConfig.fuse_activations must be True, False or None (on for W8A8 methods); "
-                f"got {self.fuse_activations!r}"
-            )
-        if self.fuse_activations and self.weight_only:
-            raise ValueError(
-                f"QuantConfig.fuse_activations=True needs a W8A8 method (it folds a GELU into the "
-                f"activation quantization); got method {self.method!r}"
-            )
-
-        if self.fuse_norms is not None and not isinstance(self.fuse_norms, bool):
-            raise ValueError(
-                f"QuantConfig.fuse_norms must be True, False or None (on for W8A8 methods); got {self.fuse_norms!r}"
-            )
-        if self.fuse_norms and self.weight_only:
-            raise ValueError(
-                f"QuantConfig.fuse_norms=True needs a W8A8 method (it quantizes the norm output for "
-                f"W8A8 layers); got method {self.method!r}"
-            )
+        for name, needs_w8a8 in _FUSION_FLAGS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(
+                    f"QuantConfig.{name} must be True, False or None (on for W8A8 methods); got {value!r}"
+                )
+            if value and needs_w8a8 and self.weight_only:
+                raise ValueError(f"QuantConfig.{name}=True needs a W8A8 method ({needs_w8a8}); got method {self.method!r}")
 
     @property
     def weight_only(self) -> bool:
@@ -163,11 +153,11 @@ class QuantConfig:
 
     def method_for(self, name: str) -> str:
         """The method of linear layer ``name``: the first matching ``layer_methods`` pattern's, else ``method``."""
-        return next((m for pattern, m in self.layer_methods if _matches(name, pattern)), self.method)
+        return next((m for pattern, m in self.layer_methods if name_matches(name, pattern)), self.method)
 
     @property
     def fuses_activations(self) -> bool:
-        """``fuse_activations`` with ``None`` resolved (module docstring)."""
+        """``fuse_activations`` with ``None`` resolved (on for W8A8 methods)."""
         if self.fuse_activations is not None:
             return self.fuse_activations
         return not self.weight_only
@@ -246,7 +236,7 @@ def _patterns(name: str, value) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _matches(name: str, pattern: str) -> bool:
+def name_matches(name: str, pattern: str) -> bool:
     """True when ``pattern`` matches ``name`` or one of its parents (``a.b`` for ``a.b.c``)."""
     parts = name.split(".") if name else [""]
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))

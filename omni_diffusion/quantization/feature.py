@@ -4,6 +4,7 @@ weight-only patterns joined with the caller's, the originals kept (on CPU) for t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from omni_diffusion.quantization.activations import forget_folded_activations
 from omni_diffusion.quantization.apply import quantize
 from omni_diffusion.quantization.concat_free import remove_concat_free_forwards
-from omni_diffusion.quantization.config import QuantConfig, _matches, normalize_layer_methods
+from omni_diffusion.quantization.config import QuantConfig, name_matches, normalize_layer_methods
 from omni_diffusion.quantization.norm_fusion import remove_norm_fused_forwards
 from omni_diffusion.quantization.projections import unfuse_projections
 
@@ -23,22 +24,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger("omni_diffusion.accelerate")
 
 
-def apply_quantization(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
-    # The adapter's patterns cover the family; keep those this model has (a
-    # variant may lack some layers, and quantize() rejects patterns that match
-    # nothing). The caller's own patterns go through unfiltered.
+def quant_config_for(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig) -> QuantConfig:
+    """The :class:`QuantConfig` of ``config.quant`` for ``transformer``: the adapter's skip patterns
+    and the caller's ``quant_skip``; the adapter's ``quant_weight_only`` layers 8-bit weights only
+    (INT8 weight-only under a W8A8 method), after the caller's own ``layer_methods``, which win."""
+    # The adapter's patterns cover the family; keep those this model has (a variant may lack
+    # some layers, and quantize() rejects patterns that match nothing). The caller's go unfiltered.
     names = [name for name, _ in transformer.named_modules()]
-    family_skip = [p for p in adapter.quant_skip if any(_matches(n, p) for n in names)]
-    fields: dict[str, Any] = dict(method=config.quant, skip=(*family_skip, *config.quant_skip),
+
+    def present(patterns: tuple[str, ...]) -> list[str]:
+        return [p for p in patterns if any(name_matches(n, p) for n in names)]
+
+    fields: dict[str, Any] = dict(method=config.quant, skip=(*present(adapter.quant_skip), *config.quant_skip),
                                   **config.quant_options)
-    family_weight_only = [p for p in adapter.quant_weight_only if any(_matches(n, p) for n in names)]
+    family_weight_only = present(adapter.quant_weight_only)
     if family_weight_only:
-        # The caller's layer_methods come first (the first matching pattern wins).
         weight_only = config.quant if config.quant.endswith("_weight_only") else "int8_weight_only"
         own = normalize_layer_methods(fields.get("layer_methods", ()))  # raises on a bad value, naming it
         fields["layer_methods"] = (*own, *((p, weight_only) for p in family_weight_only))
     if config.quant_min_features is not None:
         fields["min_features"] = config.quant_min_features
+    return QuantConfig(**fields)
+
+
+def apply_quantization(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig) -> Callable[[], None]:
+    """Quantize ``transformer`` in place as ``config.quant`` asks (:func:`quant_config_for`); returns
+    the undo, which puts back the very modules that were there (kept on CPU meanwhile)."""
+    quant_config = quant_config_for(transformer, adapter, config)
     before = [
         (parent, child_name, child)
         for parent in transformer.modules()
@@ -68,7 +80,7 @@ def apply_quantization(transformer: nn.Module, adapter: ModelAdapter, config: Ac
         offload(layer, replacement)
 
     try:
-        quantize(transformer, QuantConfig(**fields), adapter=adapter, on_released=released)
+        quantize(transformer, quant_config, adapter=adapter, on_released=released)
     except BaseException:  # failed part-way: put back what was swapped, where it was
         for t, device in moved:
             t.data = t.data.to(device)

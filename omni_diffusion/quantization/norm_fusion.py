@@ -13,7 +13,6 @@ reader (under ``torch.compile``, in a kernel Inductor writes).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from omni_diffusion.quantization.modules import _remove_instance_forwards
+from omni_diffusion.quantization.modules import (
+    append_record,
+    instance_forward_unfit,
+    modules_of_class,
+    remove_instance_forwards,
+)
 from omni_kernels.quant import QuantizedLinear, quantize_per_token
 
 if TYPE_CHECKING:
@@ -104,24 +108,15 @@ def install_norm_fused_forwards(module: nn.Module, adapter: ModelAdapter | None)
         return []
     installed: list[tuple[str, Any]] = []
     for fusion in adapter.norm_fusions:
-        wanted = list(inspect.signature(fusion.forward).parameters)[1:]
-        for name, owner in module.named_modules():
-            if fusion.owner_class not in {cls.__name__ for cls in type(owner).__mro__}:
-                continue
-            takes = list(inspect.signature(type(owner).forward).parameters)[1:]
-            why = (
-                "it already has an instance forward" if "forward" in owner.__dict__ else
-                f"its forward takes {takes}, not {wanted}" if takes != wanted else
-                fusion.unfit(owner)
-            )
+        for name, owner in modules_of_class(module, fusion.owner_class):
+            why = instance_forward_unfit(owner, fusion.forward) or fusion.unfit(owner)
             if why is not None:
                 logger.debug("quantize: %s keeps its norm outputs in 16 bits: %s", name, why)
                 continue
             owner.__dict__[_CLASS_FORWARD_ATTR] = type(owner).forward
             owner.forward = types.MethodType(fusion.forward, owner)
             installed.append((name, fusion.forward))
-    if installed:
-        module.__dict__[_NORM_FUSED_RECORD_ATTR] = [*module.__dict__.get(_NORM_FUSED_RECORD_ATTR, []), *installed]
+    append_record(module, _NORM_FUSED_RECORD_ATTR, installed)
     return [name for name, _ in installed]
 
 
@@ -130,7 +125,7 @@ def remove_norm_fused_forwards(module: nn.Module) -> None:
     installed one is left alone)."""
     for name, _ in module.__dict__.get(_NORM_FUSED_RECORD_ATTR, []):
         module.get_submodule(name).__dict__.pop(_CLASS_FORWARD_ATTR, None)
-    _remove_instance_forwards(module, _NORM_FUSED_RECORD_ATTR)
+    remove_instance_forwards(module, _NORM_FUSED_RECORD_ATTR)
 
 
 def class_forward(block: nn.Module):

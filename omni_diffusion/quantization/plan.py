@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from omni_diffusion.quantization.config import QuantConfig, _matches
+from omni_diffusion.quantization.config import QuantConfig, name_matches
 from omni_kernels.quant import SCALED_MM_ALIGNMENT, fp8_unsupported_reason
 
 logger = logging.getLogger("omni_diffusion.quantization")
@@ -53,7 +53,7 @@ class LayerPlan:
 
 
 def _unmatched(patterns, names) -> list[str]:
-    return [p for p in patterns if not any(_matches(n, p) for n in names)]
+    return [p for p in patterns if not any(name_matches(n, p) for n in names)]
 
 
 def _shape_problem(linear: nn.Linear) -> str | None:
@@ -95,13 +95,13 @@ def plan_quantization(module: nn.Module, config: QuantConfig) -> list[LayerPlan]
         if not isinstance(child, nn.Linear):
             continue
         sizes = dict(in_features=child.in_features, out_features=child.out_features)
-        skip = next((p for p in config.skip if _matches(name, p)), None)
+        skip = next((p for p in config.skip if name_matches(name, p)), None)
         if skip is not None:
             plans.append(LayerPlan(name, "keep", f"matches skip pattern {skip!r}", **sizes))
             continue
         included = None
         if config.include is not None:
-            included = next((p for p in config.include if _matches(name, p)), None)
+            included = next((p for p in config.include if name_matches(name, p)), None)
             if included is None:
                 plans.append(LayerPlan(name, "keep", "matches no include pattern", **sizes))
                 continue
@@ -126,18 +126,18 @@ def plan_quantization(module: nn.Module, config: QuantConfig) -> list[LayerPlan]
     return plans
 
 
-def _warn_idle_layer_methods(plans: list[LayerPlan], config: QuantConfig) -> None:
+def warn_idle_layer_methods(plans: list[LayerPlan], config: QuantConfig) -> None:
     """Warn about ``layer_methods`` patterns whose layers are all kept in full precision (by
     ``skip``, say: a family adapter's skip list wins over the caller's methods)."""
     for pattern, method in config.layer_methods:
-        named = [p for p in plans if _matches(p.name, pattern)]
+        named = [p for p in plans if name_matches(p.name, pattern)]
         if named and all(p.action == "keep" for p in named):
             logger.warning("quantize: QuantConfig.layer_methods pattern %r (%s) changes nothing: every layer it "
                            "names is kept in full precision (%s: %s)", pattern, method, named[0].name,
                            named[0].reason)
 
 
-def _check_hardware(module: nn.Module, plans: list[LayerPlan], config: QuantConfig) -> None:
+def check_hardware(module: nn.Module, plans: list[LayerPlan], config: QuantConfig) -> None:
     first_fp8 = {}  # device -> the first plan asking FP8 of a layer there
     for plan in plans:
         if plan.action == "quantize" and plan.method.startswith("fp8"):

@@ -28,6 +28,7 @@ from torch import nn
 
 from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.config import QuantConfig
+from omni_diffusion.quantization.modules import append_record
 from omni_diffusion.quantization.plan import LayerPlan, plan_quantization
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("omni_diffusion.quantization")
 
 # The projections diffusers' fuse_projections() merges: fused layer, then its members in output order.
-_FUSED_PROJECTIONS = (
+FUSED_PROJECTIONS = (
     ("to_qkv", ("to_q", "to_k", "to_v")),
     ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
 )
@@ -45,7 +46,7 @@ _FUSION_RECORD_ATTR = "_omni_fused_attention"
 
 
 @dataclass
-class _FusedAttention:
+class FusedAttention:
     """One attention module whose projections :func:`quantize` fused, and what it changed."""
 
     name: str
@@ -57,7 +58,7 @@ class _FusedAttention:
     module_order: tuple[str, ...] = ()
 
 
-def _fusion_groups(attn: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
+def fusion_groups(attn: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
     """The ``(fused name, members)`` pairs ``attn.fuse_projections()`` would build, or None
     when it cannot fuse ``attn`` the way the processors read it (not self-attention over one
     input, a triple incomplete or not plain linears of equal shapes)."""
@@ -66,7 +67,7 @@ def _fusion_groups(attn: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
     if getattr(attn, "is_cross_attention", False) or not getattr(attn, "_supports_qkv_fusion", True):
         return None
     groups = []
-    for fused, members in _FUSED_PROJECTIONS:
+    for fused, members in FUSED_PROJECTIONS:
         layers = [getattr(attn, m, None) for m in members]
         if all(layer is None for layer in layers) and fused != "to_qkv":
             continue
@@ -100,7 +101,7 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
     for name, attn in module.named_modules():
         if not name or not any(fnmatch.fnmatchcase(name, p) for p in adapter.fusable_attention):
             continue
-        groups = _fusion_groups(attn)
+        groups = fusion_groups(attn)
         if groups is None:
             continue
         if any(f"{name}.{m}" not in quantized for _, members in groups for m in members):
@@ -117,11 +118,11 @@ def plan_fusion(module: nn.Module, config: QuantConfig | dict, adapter: ModelAda
     return names
 
 
-def _fuse_attention(module: nn.Module, name: str,
-                    adapter: ModelAdapter | None) -> tuple[_FusedAttention, dict[str, nn.Module]]:
+def fuse_attention_module(module: nn.Module, name: str,
+                    adapter: ModelAdapter | None) -> tuple[FusedAttention, dict[str, nn.Module]]:
     """Fuse attention ``name``'s projections in place; returns the record and the removed layers."""
     attn = module.get_submodule(name)
-    groups = _fusion_groups(attn)
+    groups = fusion_groups(attn)
     processor = adapter.fused_attention_processor(attn) if adapter is not None else None
     if groups is None or processor is None:
         why = ("no model adapter describes it" if adapter is None else
@@ -131,7 +132,7 @@ def _fuse_attention(module: nn.Module, name: str,
             f"cannot fuse the projections of {name} ({type(attn).__name__}, processor "
             f"{type(getattr(attn, 'processor', None)).__name__}): {why}"
         )
-    record = _FusedAttention(name, attn.processor, "fused_projections" in attn.__dict__,
+    record = FusedAttention(name, attn.processor, "fused_projections" in attn.__dict__,
                              attn.__dict__.get("fused_projections"), tuple(attn._modules))
     with torch.no_grad():
         attn.fuse_projections()
@@ -146,12 +147,12 @@ def _fuse_attention(module: nn.Module, name: str,
     return record, removed
 
 
-def _unfuse_attention(module: nn.Module, record: _FusedAttention,
+def unfuse_attention_module(module: nn.Module, record: FusedAttention,
                       removed: dict[str, nn.Module] | None = None) -> None:
     attn = module.get_submodule(record.name)
     for member, layer in (removed or {}).items():
         setattr(attn, member, layer)
-    for fused, _ in _FUSED_PROJECTIONS:
+    for fused, _ in FUSED_PROJECTIONS:
         attn._modules.pop(fused, None)
     position = {child: i for i, child in enumerate(record.module_order)}
     children = sorted(attn._modules.items(), key=lambda item: position.get(item[0], len(position)))
@@ -165,11 +166,8 @@ def _unfuse_attention(module: nn.Module, record: _FusedAttention,
         attn.set_processor(record.processor)
 
 
-def _record_fusion(module: nn.Module, fused: list[tuple[_FusedAttention, dict]]) -> None:
-    if fused:
-        module.__dict__[_FUSION_RECORD_ATTR] = [
-            *module.__dict__.get(_FUSION_RECORD_ATTR, []), *(record for record, _ in fused)
-        ]
+def record_fusion(module: nn.Module, fused: list[tuple[FusedAttention, dict]]) -> None:
+    append_record(module, _FUSION_RECORD_ATTR, [record for record, _ in fused])
 
 
 def fused_attention(module: nn.Module) -> list[str]:
@@ -192,7 +190,7 @@ def unfuse_projections(module: nn.Module) -> None:
     records = module.__dict__.get(_FUSION_RECORD_ATTR, [])
     for record in records:
         attn = module.get_submodule(record.name)
-        missing = [m for fused, members in _FUSED_PROJECTIONS if fused in attn._modules
+        missing = [m for fused, members in FUSED_PROJECTIONS if fused in attn._modules
                    for m in members if m not in attn._modules]
         if missing:
             raise ValueError(
@@ -200,14 +198,14 @@ def unfuse_projections(module: nn.Module) -> None:
                 "separate projections; only accelerate()'s undo keeps them"
             )
     for record in reversed(records):
-        _unfuse_attention(module, record)
+        unfuse_attention_module(module, record)
     module.__dict__.pop(_FUSION_RECORD_ATTR, None)
 
 
-def _unfused_name(name: str) -> str:
+def unfused_name(name: str) -> str:
     """A fused projection's first member (``attn.to_qkv`` -> ``attn.to_q``); other names as they are."""
     parent, _, last = name.rpartition(".")
-    for fused, members in _FUSED_PROJECTIONS:
+    for fused, members in FUSED_PROJECTIONS:
         if last == fused:
             return f"{parent}.{members[0]}" if parent else members[0]
     return name

@@ -10,16 +10,26 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from omni_diffusion.quantization.activations import _ActivationSite, _fold_activation, _record_activations, \
-    fused_activations
+from omni_diffusion.quantization.activations import (
+    ActivationSite,
+    fold_activation,
+    fused_activations,
+    record_activations,
+)
+from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.apply import quantized_layers
 from omni_diffusion.quantization.concat_free import install_concat_free_forwards
-from omni_diffusion.quantization.adapter_lookup import resolve_adapter
 from omni_diffusion.quantization.config import QuantConfig
-from omni_diffusion.quantization.modules import _replace
+from omni_diffusion.quantization.modules import replace_submodule
 from omni_diffusion.quantization.norm_fusion import install_norm_fused_forwards
-from omni_diffusion.quantization.projections import _FusedAttention, _fuse_attention, _record_fusion, \
-    _unfuse_attention, _unfused_name, fused_attention
+from omni_diffusion.quantization.projections import (
+    FusedAttention,
+    fuse_attention_module,
+    fused_attention,
+    record_fusion,
+    unfuse_attention_module,
+    unfused_name,
+)
 from omni_kernels.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -59,8 +69,8 @@ def save_quantized(module: nn.Module, path: str | os.PathLike, config: QuantConf
 
 def _check_methods_match(config: QuantConfig, layers: dict[str, str], path: str) -> None:
     """``ValueError`` unless every layer of the file has the method ``config`` gives it."""
-    wrong = {name: (method, config.method_for(_unfused_name(name))) for name, method in layers.items()
-             if method != config.method_for(_unfused_name(name))}
+    wrong = {name: (method, config.method_for(unfused_name(name))) for name, method in layers.items()
+             if method != config.method_for(unfused_name(name))}
     if not wrong:
         return
     if not config.layer_methods:
@@ -129,7 +139,7 @@ def load_quantized(
     model = type(module).__name__
     fused_names = json.loads(metadata.get(_METADATA_FUSED_KEY, "[]"))
     already = set(fused_attention(module))
-    fused: list[tuple[_FusedAttention, dict[str, nn.Module]]] = []
+    fused: list[tuple[FusedAttention, dict[str, nn.Module]]] = []
     if fused_names:
         adapter = resolve_adapter(module, adapter)
     targets = {}
@@ -141,7 +151,7 @@ def load_quantized(
                 module.get_submodule(name)
             except AttributeError:
                 raise ValueError(f"{path} fuses the projections of {name!r}, which {model} does not have") from None
-            fused.append(_fuse_attention(module, name, adapter))
+            fused.append(fuse_attention_module(module, name, adapter))
         for name in layers:  # every listed layer is checked before anything is replaced
             try:
                 targets[name] = module.get_submodule(name)
@@ -153,25 +163,25 @@ def load_quantized(
                 )
     except BaseException:
         for record, removed in reversed(fused):
-            _unfuse_attention(module, record, removed)
+            unfuse_attention_module(module, record, removed)
         raise
-    _record_fusion(module, fused)
+    record_fusion(module, fused)
     for name, method in layers.items():
         layer = targets[name]
         new = QuantizedLinear(
             layer.in_features, layer.out_features, layer.bias is not None, method, device="meta", **options
         )
         new.train(layer.training)
-        _replace(module, name, new)
+        replace_submodule(module, name, new)
 
-    sites = [_ActivationSite(entry["activation"], consumer, int(entry["activation_from"]))
+    sites = [ActivationSite(entry["activation"], consumer, int(entry["activation_from"]))
              for consumer, entry in json.loads(metadata.get(_METADATA_ACTIVATIONS_KEY, "{}")).items()]
     for site in sites:
         try:
-            _fold_activation(module, site)
+            fold_activation(module, site)
         except AttributeError:
             raise ValueError(f"{path} folds {site.activation} into {site.consumer}, which {model} does not have") from None
-    _record_activations(module, sites)
+    record_activations(module, sites)
     adapter = resolve_adapter(module, adapter)
     install_norm_fused_forwards(module, adapter)
     if sites:
