@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_diffusion._fields import known_fields, not_allowed
+from omni_kernels.quant import QUANT_METHODS
 
-QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
 CACHE_KINDS = ("first_block", "teacache", "cache_dit")
 COMPILE_MODES = (False, True, "regional")
 ATTENTION_AUTO = "auto"

@@ -9,26 +9,16 @@
 * CFG: guidance-distilled (guidance embedding); ``true_cfg_scale > 1`` with a
   negative prompt adds separate calls in ``cache_context``.
 * Sequence parallelism (Ulysses, Ring, USP): the video tokens are split over
-  the ranks, the text tokens are replicated (the token refiner, which sees the
-  text alone, and the text stream run whole on every rank). Both block kinds
-  pass ``[local video, text]`` q/k/v to joint attention (the single-stream
-  blocks concatenate the two streams for their norm/MLP and split them around
-  attention by the text length, which is unchanged). Rotary ``(cos, sin)``,
-  each ``[S_video, D]``, covers the video tokens only and is cut to this
-  rank's; the dual blocks call it ``freqs_cis``, the single ones
-  ``image_rotary_emb``. The model builds one key mask ``[B, 1, 1, S_video + T]``
-  (video all True, text True up to each prompt's length) for every block: it
-  is cut to ``[local video, text]``, and sequence-parallel attention applies
-  its text part to the text keys: with Ulysses to the text + the group's video
-  keys, with Ring in the local step, the only one holding text keys (the
-  shards passed around are video keys, never padding). Token-replace
-  conditioning (image-to-video) modulates the first frame's tokens apart:
-  its count (``num_tokens``) becomes this rank's share of them.
+  the ranks, the text tokens (and the token refiner) replicated; both block kinds
+  pass ``[local video, text]`` q/k/v to joint attention. Rotary ``(cos, sin)``,
+  each ``[S_video, D]``, is cut to this rank's video tokens. The key mask
+  ``[B, 1, 1, S_video + T]`` is cut to ``[local video, text]``; only text keys are
+  ever padding. Token-replace conditioning (image-to-video): ``num_tokens`` becomes
+  this rank's share of the first frame's tokens.
 * Tensor parallelism: Q/K/V, the added text Q/K/V and the first MLP layers
-  column-split, output projections and second MLP layers row-split; the
-  single blocks' ``proj_out`` over ``[attention, MLP]`` is packed; the token
-  refiner's attention and MLP are split the same way. The per-head q/k
-  RMSNorms need nothing; the AdaLN modulation linears stay replicated.
+  column-split, output projections and second MLP layers row-split (the single
+  blocks' ``proj_out`` over ``[attention, MLP]`` packed); the AdaLN modulation
+  linears stay replicated.
 * Quantization skips the patch and context embedders (the latter holds the
   text token refiner), the timestep/guidance embedders, the final
   norm/projection and the AdaLN modulation linears.

@@ -10,22 +10,14 @@
   is encoded to its own length: the two calls' text lengths may differ, which
   CFG parallelism allows).
 * Sequence parallelism (Ulysses, Ring, USP): the image tokens are split over
-  the ranks, the text tokens are replicated (every rank runs the whole text
-  stream). The processor concatenates text then image q/k/v, so joint
-  attention sees ``[text, local image]``. Rotary comes as a pair
-  ``(image_freqs [S_image, D/2], text_freqs [T, D/2])`` (complex): the image
-  table is cut to this rank's tokens, the text table passes whole. The text
-  padding mask (``encoder_hidden_states_mask``, ``[B, T]``) is replicated and
-  reaches the processor unchanged; the processor builds the joint key mask
-  ``[B, 1, 1, T + n_local]`` with the local image keys all True, and
-  sequence-parallel attention applies its text part to the text keys (in the
-  local Ring step, the one holding them). ``modulate_index`` (``[B, S_image]``,
-  Qwen-Image-Edit-2511's per-token modulation choice) is cut like the image tokens.
-* Tensor parallelism: Q/K/V of both streams and the first MLP layers of both
-  streams column-split, the two output projections and second MLP layers
-  row-split (one all-reduce each); the per-head q/k RMSNorms need nothing. The
-  processor derives the head size as ``inner_dim // heads``, both of which
-  tensor parallelism divides. The modulation linears stay replicated.
+  the ranks, the text tokens replicated; joint attention sees ``[text, local image]``.
+  Rotary ``(image_freqs [S_image, D/2], text_freqs [T, D/2])``: the image table is
+  cut to this rank's tokens. The text padding mask ``[B, T]`` is replicated; the
+  processor's joint key mask ``[B, 1, 1, T + n_local]`` has the image keys all True.
+  ``modulate_index`` ``[B, S_image]`` (Qwen-Image-Edit-2511) is cut like the image tokens.
+* Tensor parallelism: Q/K/V and the first MLP layers of both streams column-split,
+  output projections and second MLP layers row-split (one all-reduce each); the
+  modulation linears stay replicated.
 * Quantization skips the input projections, the timestep embedder, the final
   norm/projection and the per-block modulation linears (``img_mod``/``txt_mod``).
 * TeaCache: the first block's modulated image input (``img_norm1`` then

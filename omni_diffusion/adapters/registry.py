@@ -1,4 +1,5 @@
-"""The registry of model adapters: one instance per family, looked up by pipeline or transformer class."""
+"""The registry of model adapters: each family module registers its adapter here, and
+:func:`adapter_for` / :func:`adapter_for_transformer` find the one for a pipeline or transformer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from omni_diffusion.adapters.base import ModelAdapter
+from omni_diffusion.quantization.adapter_lookup import set_adapter_lookup
 
 _ADAPTERS: list[ModelAdapter] = []
 
@@ -75,3 +77,7 @@ def adapter_for(pipe: Any) -> ModelAdapter:
         f"{', '.join(supported_pipelines())} (and other pipelines whose transformer is one of "
         f"{', '.join(n for a in _ADAPTERS for n in a.transformer_classes)})"
     )
+
+
+# quantize() and load_quantized() called without an adapter find the family here.
+set_adapter_lookup(adapter_for_transformer)

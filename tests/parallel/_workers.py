@@ -381,8 +381,9 @@ def compile_undo_order_case(rank, world, compile_undone_first):
     ``forward`` is the same object as before (or again absent), and the block hooks left."""
     import functools
 
-    from omni_diffusion.accelerate import AccelConfig, _apply_compile
+    from omni_diffusion.accelerate import AccelConfig
     from omni_diffusion.adapters import adapter_for_transformer
+    from omni_diffusion.compile import apply_compile
     from omni_diffusion.parallel import parallelize
     from omni_diffusion.testing import tiny_transformer
 
@@ -400,7 +401,7 @@ def compile_undo_order_case(rank, world, compile_undone_first):
     ref = forward()
     undo_parallel = parallelize(model, ParallelConfig(), attention_backend="sdpa_math",
                                 device_type="cpu", force_sequence_parallel=True)
-    undo_compile = _apply_compile(model, adapter, AccelConfig(compile=True, compile_backend="eager"))
+    undo_compile = apply_compile(model, adapter, AccelConfig(compile=True, compile_backend="eager"))
     try:
         compiled = forward()
         inner_compiled = all(_is_compiled(getattr(b.__dict__.get("forward"), "inner", None))
