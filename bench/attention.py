@@ -272,9 +272,9 @@ def _bench_args(shape: Shape) -> tuple[float, float]:
 
 
 def _dispatch_us(name, q, k, v, layout, calls=200) -> float:
-    from omni_kernels.attention import registry
+    from omni_kernels.attention import api
 
-    return harness.host_us(lambda: registry._plan(q, k, v, name, layout, False, None, None, False, None), calls)
+    return harness.host_us(lambda: api._plan(q, k, v, name, layout, False, None, None, False, None), calls)
 
 
 def _run_shape(shape: Shape, dtype, layout: str, backends, args, unavailable):

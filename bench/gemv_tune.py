@@ -449,7 +449,7 @@ class CaseRun:
     def baselines(self) -> None:
         import torch.nn.functional as F
 
-        import omni_kernels.quant.linear  # noqa: F401  (registers the op)
+        import omni_kernels.quant.gemm_ops  # noqa: F401  (registers the op)
         from omni_kernels.quant.triton_gemv import launch_weight_only_gemv
 
         bf16 = self._timed(lambda: F.linear(self.x, self.w_dense, self.bias), self.w_dense.numel() * self.w_dense.element_size())

@@ -150,7 +150,7 @@ _GELU_VARIANTS = {"bf16+gelu", "omni-fp8+gelu"}
 _WAN_SKIPS = {"omni-fp8-wo-triton", "omni-int8-wo-triton", "omni-fp8-precise", "omni-fp8-fast", "omni-fp8-two-calls"}
 ERROR_ROWS = 2048
 DEVICE = "cuda"
-# The GEMV takes at most this many rows (omni_kernels.quant.linear.GEMV_MAX_M).
+# The GEMV takes at most this many rows (omni_kernels.quant.GEMV_MAX_M).
 GEMV_MAX_M = 16
 _GEMV_VARIANTS = {"omni-fp8-wo-triton_gemv", "omni-int8-wo-triton_gemv"}
 # At the modulation shapes: bf16, the weight-only layers, and the W8A8 layers for reference

@@ -11,49 +11,26 @@ on a diffusers pipeline in one call, and ``undo(pipe)`` to take them off again.
     od.last_cache_stats(pipe)          # hits of that call (also pipe.omni_stats)
     od.undo(pipe)                      # back to the original modules
 
-What is applied, to every denoiser the family's adapter names
-(:mod:`omni_diffusion.adapters`), in this order:
+Each feature is one object or function that changes the pipeline and returns its undo,
+applied to every denoiser the family's adapter (:mod:`omni_diffusion.adapters`) names, in
+this order: parallelism's weight sharding, ``quant``
+(:func:`omni_diffusion.quantization.apply_quantization`), fused QK-norm + RoPE, ``attention``,
+``cache`` (:mod:`omni_diffusion.cache`), the attention policy, sequence parallelism,
+``compile`` (:mod:`omni_diffusion.compile`, at the first call) and the prompt stage.
 
-1. ``quant``: :func:`omni_diffusion.quantization.quantize` swaps the linear
-   layers in place, skipping the adapter's patterns plus ``quant_skip``, giving
-   the adapter's ``quant_weight_only`` layers (adaLN modulation) 8-bit weights
-   only (INT8 weight-only under a W8A8 method; the caller's
-   ``quant_options["layer_methods"]`` and ``quant_skip`` take precedence), and
-   (W8A8, unless ``quant_options={"fuse_projections": False}``) fusing the
-   attention q/k/v projections the adapter declares. The original linear
-   modules are kept (their weights moved to CPU memory while quantized, when
-   they were on a GPU) and put back by :func:`undo`, which also removes the
-   fused layers and restores the attention processors.
-2. ``attention``: omni's attention through the adapter (diffusers' attention
-   dispatcher pointed at omni's backend; SD3 gets an omni processor).
-   ``"auto"`` lets omni pick per GPU and shape.
-3. ``cache``: First-Block-Cache / TeaCache hooks (:mod:`omni_diffusion.cache`),
-   or cache-dit on the whole pipeline.
-4. ``compile``: regional ``torch.compile``: each repeated block class the
-   model declares (diffusers' ``compile_repeated_blocks``) or the adapter
-   lists is compiled with ``block.compile(...)`` (the forward that sequence
-   parallelism's forward wrapper holds, or a hooked block's ``forward``, alone:
-   the per-forward bookkeeping then runs eagerly around the compiled region);
-   ``cuda_graphs`` adds CUDA-graph capture (mode ``"reduce-overhead"``).
-   Compilation happens at the first call.
+When caching, progress or a prompt stage is asked for, the pipeline's class is swapped for a
+subclass of the same name whose ``__call__`` opens a fresh cache state per call (isolated
+between concurrent calls), reports progress and stores the call's
+:class:`~omni_diffusion.cache.CacheStats` as ``pipe.omni_stats``.
 
-When caching or a progress callback is asked for, the pipeline's class is
-swapped for a subclass of the same name whose ``__call__`` opens a fresh
-cache state for every call (see :mod:`omni_diffusion.cache.state`: reset per
-call, isolated between concurrent calls), reports progress, and stores the
-call's :class:`~omni_diffusion.cache.CacheStats` as ``pipe.omni_stats``.
-
-:func:`undo` restores exactly what was there: the same module objects (linear
-layers, processors' backends, block lists' classes), no compiled regions,
-no hooks, the pipeline's own class. Calling :func:`accelerate` on a pipeline
-that is already accelerated first undoes the previous configuration and then
-applies the new one (it never stacks).
+:func:`undo` restores exactly what was there (the same module objects, no compiled regions,
+no hooks, the pipeline's own class). :func:`accelerate` on an accelerated pipeline undoes the
+previous configuration first: it never stacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import inspect
 import logging
@@ -66,7 +43,9 @@ from torch import nn
 
 from omni_diffusion.adapters import ModelAdapter, adapter_for, adapter_for_transformer
 from omni_diffusion.cache.state import CacheStats, generation
+from omni_diffusion.compile import apply_compile, mark_graph_steps
 from omni_diffusion.config import ATTENTION_AUTO, AccelConfig
+from omni_diffusion.quantization import apply_quantization
 
 logger = logging.getLogger("omni_diffusion.accelerate")
 
@@ -131,8 +110,7 @@ def accelerate(
         ValueError: unsupported pipeline (the message lists the supported
             ones), a config the model cannot take, a transformer shared with
             another accelerated pipeline.
-        ImportError: ``quant`` without :mod:`omni_diffusion.quantization`, or
-            ``cache="cache_dit"`` without the cache-dit package.
+        ImportError: ``cache="cache_dit"`` without the cache-dit package.
     """
     if config is None:
         config = AccelConfig()
@@ -251,7 +229,7 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
         state.undos.append((f"{name} owner", functools.partial(
             transformer.__dict__.pop, _OWNER_ATTR, None)))
         if config.quant is not None:
-            state.undos.append((f"{name} quantization", _apply_quant(transformer, adapter, config)))
+            state.undos.append((f"{name} quantization", apply_quantization(transformer, adapter, config)))
         if _wants_fused_norm_rope(name, transformer, adapter, config):
             state.undos.append((f"{name} fused norm+RoPE", adapter.apply_fused_norm_rope(transformer)))
         if config.attention is not None:
@@ -270,7 +248,7 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
         warmup = 1 if config.cache.warmup_steps is None else config.cache.warmup_steps
         state.undos.append(("cache-dit", cache_dit.enable(pipe, config.cache, adapter.cfg.mode, warmup)))
     if config.attention_policy is not None:
-        from omni_diffusion.attention_policy import apply_attention_policy
+        from omni_diffusion.attention.policy import apply_attention_policy
 
         scheduler = None if isinstance(pipe, nn.Module) else getattr(pipe, "scheduler", None)
         for name, transformer in state.transformers.items():
@@ -281,9 +259,9 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
         state.undos.append(("parallel", runtime.install(backend)))
     if config.compile:
         for name, transformer in state.transformers.items():
-            state.undos.append((f"{name} compile", _apply_compile(transformer, adapter, config)))
+            state.undos.append((f"{name} compile", apply_compile(transformer, adapter, config)))
             if config.cuda_graphs:
-                state.undos.append((f"{name} CUDA-graph steps", _mark_graph_steps(transformer)))
+                state.undos.append((f"{name} CUDA-graph steps", mark_graph_steps(transformer)))
     if config.prompt_encoder is not None or config.prompt_enhancer is not None:
         if isinstance(pipe, nn.Module):
             raise ValueError("prompt_encoder/prompt_enhancer need a pipeline, not a bare transformer")
@@ -312,185 +290,6 @@ def _module_device(module: nn.Module) -> torch.device | None:
     for tensor in module.parameters():
         return tensor.device
     return None
-
-
-def _apply_quant(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
-    try:
-        from omni_diffusion.quantization import (
-            QuantConfig,
-            forget_folded_activations,
-            normalize_layer_methods,
-            quantize,
-            remove_concat_free_forwards,
-            remove_norm_fused_forwards,
-            unfuse_projections,
-        )
-    except ImportError as exc:
-        raise ImportError(
-            f"quant={config.quant!r} needs omni_diffusion.quantization, which does not import: {exc}"
-        ) from exc
-    # The adapter's patterns cover the family; keep those this model has (a
-    # variant may lack some layers, and quantize() rejects patterns that match
-    # nothing). The caller's own patterns go through unfiltered.
-    names = [name for name, _ in transformer.named_modules()]
-    family_skip = [p for p in adapter.quant_skip if any(_matches(n, p) for n in names)]
-    fields: dict[str, Any] = dict(method=config.quant, skip=(*family_skip, *config.quant_skip),
-                                  **config.quant_options)
-    family_weight_only = [p for p in adapter.quant_weight_only if any(_matches(n, p) for n in names)]
-    if family_weight_only:
-        # The caller's layer_methods come first (the first matching pattern wins).
-        weight_only = config.quant if config.quant.endswith("_weight_only") else "int8_weight_only"
-        own = normalize_layer_methods(fields.get("layer_methods", ()))  # raises on a bad value, naming it
-        fields["layer_methods"] = (*own, *((p, weight_only) for p in family_weight_only))
-    if config.quant_min_features is not None:
-        fields["min_features"] = config.quant_min_features
-    before = [
-        (parent, child_name, child)
-        for parent in transformer.modules()
-        for child_name, child in parent._modules.items()
-        if child is not None
-    ]
-    # Keep the originals for undo without holding GPU memory: their tensors go to CPU unless
-    # the module now in their place shares them (a bias, say). Each linear goes as soon as
-    # quantize() releases it, so the model never holds both precisions in full (a bf16 Flux
-    # is 22 GiB; with all its FP8 layers beside it, 33). Projections fused into one layer
-    # (QuantConfig.fuse_projections) were removed: kept here too.
-    moved: list[tuple[torch.Tensor, torch.device]] = []
-
-    def offload(old: nn.Module, replacement: nn.Module | None) -> None:
-        kept = {t.untyped_storage().data_ptr()
-                for t in ([*replacement.parameters(), *replacement.buffers()] if replacement is not None else [])}
-        for t in [*old.parameters(), *old.buffers()]:
-            if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in kept:
-                moved.append((t, t.device))
-                t.data = t.data.to("cpu")
-
-    def released(name: str, layer: nn.Module) -> None:
-        try:
-            replacement = transformer.get_submodule(name)
-        except AttributeError:  # a fused projection: its module is gone
-            replacement = None
-        offload(layer, replacement)
-
-    try:
-        quantize(transformer, QuantConfig(**fields), adapter=adapter, on_released=released)
-    except BaseException:  # failed part-way: put back what was swapped, where it was
-        for t, device in moved:
-            t.data = t.data.to(device)
-        for parent, n, old in before:
-            if parent._modules.get(n) is not old:
-                setattr(parent, n, old)
-        raise
-    swapped = [(parent, n, old) for parent, n, old in before if parent._modules.get(n) is not old]
-    if not swapped:
-        logger.warning("quant=%r changed no layer of %s", config.quant, type(transformer).__name__)
-    for parent, n, old in swapped:  # what quantize() did not release itself (a folded GELU module)
-        offload(old, parent._modules.get(n))
-
-    def undo() -> None:
-        remove_norm_fused_forwards(transformer)
-        remove_concat_free_forwards(transformer)
-        for t, device in moved:
-            t.data = t.data.to(device)
-        for parent, n, old in swapped:
-            setattr(parent, n, old)
-        # the separate q/k/v are back: drop the fused layers, restore flags and processors
-        unfuse_projections(transformer)
-        forget_folded_activations(transformer)
-
-    return undo
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """``pattern`` (fnmatch) matches ``name`` or one of its parents, as quantize() reads skips."""
-    parts = name.split(".")
-    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
-
-
-def _mark_graph_steps(transformer: nn.Module) -> Callable[[], None]:
-    """Begin a new CUDA-graph step at every transformer forward; returns the undo.
-
-    The repeated blocks share one compiled graph, so each forward replays it once per
-    block. Without a step boundary, CUDA-graph trees take the first block of the next
-    forward for a replay that may overwrite static outputs still alive, and raise on
-    access ("accessing tensor output of CUDAGraphs that has been overwritten"); an H200
-    run of Flux with cuda_graphs=True did. The transformer's own output comes from
-    eager code after the last block, so nothing a caller keeps lives in graph memory.
-    """
-    def begin_step(module: nn.Module, args: tuple) -> None:
-        torch.compiler.cudagraph_mark_step_begin()
-
-    return transformer.register_forward_pre_hook(begin_step).remove
-
-
-def _inner_compiler(module: nn.Module) -> Callable[..., Callable[[], None]] | None:
-    """The ``compile_inner`` method of ``module``'s instance ``forward`` (a wrapper that
-    keeps its own Python outside compiled code and compiles the forward it wraps;
-    returns the undo), or None when its forward is no such wrapper."""
-    compile_inner = getattr(module.__dict__.get("forward"), "compile_inner", None)
-    return compile_inner if callable(compile_inner) else None
-
-
-def _apply_compile(transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig):
-    names = adapter.repeated_block_classes(transformer)
-    targets = [m for m in transformer.modules() if type(m).__name__ in names]
-    if not targets:
-        raise ValueError(
-            f"compile: no module of {type(transformer).__name__} is one of the repeated block "
-            f"classes {names}"
-        )
-    kwargs: dict[str, Any] = dict(
-        backend=config.compile_backend,
-        # ring attention's point-to-point exchange is a graph break
-        fullgraph=(adapter.compile_fullgraph and (config.parallel is None or config.parallel.ring == 1))
-        if config.compile_fullgraph is None else config.compile_fullgraph,
-        dynamic=config.compile_dynamic,
-    )
-    if config.torch_compile_mode is not None:
-        kwargs["mode"] = config.torch_compile_mode
-    # Per-forward Python bookkeeping around a block stays out of the compiled
-    # region: compiled whole (``block.compile()``), Dynamo would trace it as
-    # frames of their own, guarded on per-block Python state (which block is
-    # first, the block's class), and recompile them for every block until the
-    # recompile limit. Two forms of it:
-    # - a forward wrapper (sequence parallelism's SequenceParallelForward): the
-    #   block's instance ``forward`` has a ``compile_inner(**kwargs)`` method that
-    #   compiles the forward it wraps and returns the undo; only that is compiled;
-    # - forward hooks: the block's forward is compiled instead of its whole call,
-    #   so the hooks run eagerly around it.
-    wrapped = [m for m in targets if _inner_compiler(m) is not None]
-    wrapped_ids = {id(m) for m in wrapped}
-    hooked = [m for m in targets
-              if id(m) not in wrapped_ids and (m._forward_pre_hooks or m._forward_hooks)]
-    hooked_ids = {id(m) for m in hooked}
-    saved = [(m, m.__dict__.get("_compiled_call_impl")) for m in targets]
-    saved_forwards = [(m, m.__dict__.get("forward")) for m in hooked]
-    inner_undos: list[Callable[[], None]] = []
-    declared = tuple(getattr(transformer, "_repeated_blocks", None) or ())
-    if (not hooked and not wrapped and declared and declared == names
-            and hasattr(transformer, "compile_repeated_blocks")):
-        transformer.compile_repeated_blocks(**kwargs)
-    else:
-        for module in targets:
-            if id(module) in wrapped_ids:
-                inner_undos.append(_inner_compiler(module)(**kwargs))
-            elif id(module) in hooked_ids:
-                module.forward = torch.compile(module.forward, **kwargs)
-            else:
-                module.compile(**kwargs)
-
-    def undo() -> None:
-        for undo_inner in reversed(inner_undos):
-            undo_inner()
-        for module, previous in saved:
-            module._compiled_call_impl = previous
-        for module, previous_forward in saved_forwards:
-            if previous_forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous_forward
-
-    return undo
 
 
 # --------------------------------------------------------------------------- pipeline call

@@ -21,7 +21,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
+from omni_diffusion._fields import known_fields, not_allowed
+from omni_kernels.quant import QUANT_METHODS
+
 CACHE_KINDS = ("first_block", "teacache", "cache_dit")
 COMPILE_MODES = (False, True, "regional")
 ATTENTION_AUTO = "auto"
@@ -36,10 +38,6 @@ def _allowed(values: Sequence[Any]) -> str:
     return ", ".join(repr(v) for v in values)
 
 
-def _bad(cls: str, field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{cls}.{field}: {value!r} is not allowed; allowed: {allowed}")
-
-
 def attention_backend_names() -> list[str]:
     """The omni attention backends ``AccelConfig.attention`` may name (plus ``"auto"``)."""
     from omni_kernels.attention import list_backends
@@ -52,7 +50,7 @@ def _check_int(cls: str, field: str, value: Any, minimum: int, optional: bool) -
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an integer >= {minimum}" + (" or None" if optional else "")
-        raise _bad(cls, field, value, allowed)
+        raise not_allowed(cls, field, value, allowed)
 
 
 # --------------------------------------------------------------------------- cache
@@ -96,7 +94,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         name = "CacheConfig"
         if self.kind not in CACHE_KINDS:
-            raise _bad(name, "kind", self.kind, _allowed(CACHE_KINDS))
+            raise not_allowed(name, "kind", self.kind, _allowed(CACHE_KINDS))
         threshold = self.threshold
         if threshold is None:
             threshold = DEFAULT_THRESHOLDS[self.kind]
@@ -106,7 +104,7 @@ class CacheConfig:
             or not math.isfinite(threshold)
             or threshold < 0
         ):
-            raise _bad(name, "threshold", self.threshold, "a finite number >= 0 or None")
+            raise not_allowed(name, "threshold", self.threshold, "a finite number >= 0 or None")
         object.__setattr__(self, "threshold", float(threshold))
         _check_int(name, "warmup_steps", self.warmup_steps, 0, optional=True)
         final_steps = DEFAULT_FINAL_STEPS[self.kind] if self.final_steps is None else self.final_steps
@@ -115,20 +113,20 @@ class CacheConfig:
         _check_int(name, "max_consecutive_hits", self.max_consecutive_hits, 1, optional=True)
         if self.coefficients is not None:
             if self.kind != "teacache":
-                raise _bad(name, "coefficients", self.coefficients,
-                           "None unless kind='teacache' (a TeaCache rescaling polynomial)")
+                raise not_allowed(name, "coefficients", self.coefficients,
+                                  "None unless kind='teacache' (a TeaCache rescaling polynomial)")
             try:
                 coeffs = tuple(float(c) for c in self.coefficients)
             except (TypeError, ValueError):
                 coeffs = ()
             if not coeffs or not all(math.isfinite(c) for c in coeffs):
-                raise _bad(name, "coefficients", self.coefficients,
-                           "a non-empty sequence of finite numbers (highest power first) or None")
+                raise not_allowed(name, "coefficients", self.coefficients,
+                                  "a non-empty sequence of finite numbers (highest power first) or None")
             object.__setattr__(self, "coefficients", coeffs)
         if not isinstance(self.options, Mapping):
-            raise _bad(name, "options", self.options, "a mapping of cache_dit.DBCacheConfig fields")
+            raise not_allowed(name, "options", self.options, "a mapping of cache_dit.DBCacheConfig fields")
         if self.options and self.kind != "cache_dit":
-            raise _bad(name, "options", dict(self.options), "{} unless kind='cache_dit'")
+            raise not_allowed(name, "options", dict(self.options), "{} unless kind='cache_dit'")
         object.__setattr__(self, "options", dict(self.options))
 
     @classmethod
@@ -136,7 +134,7 @@ class CacheConfig:
         """From a mapping of field names (unknown keys raise) or a bare kind string."""
         if isinstance(data, str):
             return cls(kind=data)
-        return cls(**_known_fields(cls, data))
+        return cls(**known_fields(cls, data))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -203,12 +201,11 @@ class AccelConfig:
             ``torch.distributed`` job (torchrun); see :mod:`omni_diffusion.parallel`.
             Sequence parallelism does not combine with ``cache``.
         attention_policy: None, or an
-            :class:`omni_diffusion.attention_policy.FullPrecisionPolicy` (or a dict of
+            :class:`omni_diffusion.attention.FullPrecisionPolicy` (or a dict of
             its fields, ``{}`` for its defaults): let the attention calls run a lossy
             (quantized) backend, by default only where the GPU's auto table measured one
-            faster (on the H200: ``omni_sage_sm90`` from 4608 tokens), keeping the
-            policy's layers and first/last denoising steps exact. Needs
-            ``attention="auto"``; not with ``compile`` (the compiled blocks would keep
+            faster, keeping the policy's layers and first/last denoising steps exact.
+            Needs ``attention="auto"``; not with ``compile`` (the compiled blocks would keep
             the backend chosen when they were traced) or sequence parallelism.
     """
 
@@ -240,60 +237,60 @@ class AccelConfig:
             if isinstance(value, (str, Mapping)):
                 value = cls.from_dict(value)
             if value is not None and not isinstance(value, cls):
-                raise _bad(name, field, value, f"None, a {cls.__name__}, a dict of its fields or a model")
+                raise not_allowed(name, field, value, f"None, a {cls.__name__}, a dict of its fields or a model")
             object.__setattr__(self, field, value)
         if self.attention is not None:
             if not isinstance(self.attention, str):
-                raise _bad(name, "attention", self.attention, "'auto', an omni backend name or None")
+                raise not_allowed(name, "attention", self.attention, "'auto', an omni backend name or None")
             attention = self.attention.lower()
             backends = attention_backend_names()
             if attention != ATTENTION_AUTO and attention not in backends:
-                raise _bad(name, "attention", self.attention,
-                           _allowed([ATTENTION_AUTO, *backends, None]))
+                raise not_allowed(name, "attention", self.attention,
+                                  _allowed([ATTENTION_AUTO, *backends, None]))
             object.__setattr__(self, "attention", attention)
         if self.quant is not None and self.quant not in QUANT_METHODS:
-            raise _bad(name, "quant", self.quant, _allowed([None, *QUANT_METHODS]))
+            raise not_allowed(name, "quant", self.quant, _allowed([None, *QUANT_METHODS]))
         skip = self.quant_skip
         if isinstance(skip, str):
             skip = (skip,)
         if not isinstance(skip, (list, tuple)) or not all(isinstance(p, str) and p for p in skip):
-            raise _bad(name, "quant_skip", self.quant_skip, "a sequence of fnmatch patterns")
+            raise not_allowed(name, "quant_skip", self.quant_skip, "a sequence of fnmatch patterns")
         object.__setattr__(self, "quant_skip", tuple(skip))
         _check_int(name, "quant_min_features", self.quant_min_features, 0, optional=True)
         if not isinstance(self.quant_options, Mapping) or not all(
             isinstance(k, str) for k in self.quant_options
         ):
-            raise _bad(name, "quant_options", self.quant_options, "a mapping of QuantConfig fields")
+            raise not_allowed(name, "quant_options", self.quant_options, "a mapping of QuantConfig fields")
         reserved = sorted(set(self.quant_options) & {"method", "skip", "min_features"})
         if reserved:
-            raise _bad(name, "quant_options", dict(self.quant_options),
-                       f"QuantConfig fields other than {reserved} (set through quant, quant_skip, "
-                       "quant_min_features)")
+            raise not_allowed(name, "quant_options", dict(self.quant_options),
+                              f"QuantConfig fields other than {reserved} (set through quant, quant_skip, "
+                              "quant_min_features)")
         object.__setattr__(self, "quant_options", dict(self.quant_options))
         if (self.quant_skip or self.quant_min_features is not None or self.quant_options) \
                 and self.quant is None:
-            raise _bad(name, "quant_skip/quant_min_features/quant_options",
-                       (self.quant_skip, self.quant_min_features, self.quant_options),
-                       "only with quant set")
+            raise not_allowed(name, "quant_skip/quant_min_features/quant_options",
+                              (self.quant_skip, self.quant_min_features, self.quant_options),
+                              "only with quant set")
         cache = self.cache
         if isinstance(cache, (str, Mapping)):
             cache = CacheConfig.from_dict(cache)
         if cache is not None and not isinstance(cache, CacheConfig):
-            raise _bad(name, "cache", self.cache,
-                       f"None, a CacheConfig, a dict of its fields or one of {_allowed(CACHE_KINDS)}")
+            raise not_allowed(name, "cache", self.cache,
+                              f"None, a CacheConfig, a dict of its fields or one of {_allowed(CACHE_KINDS)}")
         object.__setattr__(self, "cache", cache)
         if not (isinstance(self.compile, bool) or self.compile == "regional"):
-            raise _bad(name, "compile", self.compile, _allowed(COMPILE_MODES))
+            raise not_allowed(name, "compile", self.compile, _allowed(COMPILE_MODES))
         object.__setattr__(self, "compile", "regional" if self.compile else False)
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
-            raise _bad(name, "compile_backend", self.compile_backend,
-                       "a torch.compile backend name ('inductor', 'aot_eager', 'eager', ...)")
+            raise not_allowed(name, "compile_backend", self.compile_backend,
+                              "a torch.compile backend name ('inductor', 'aot_eager', 'eager', ...)")
         if self.compile_mode is not None and not isinstance(self.compile_mode, str):
-            raise _bad(name, "compile_mode", self.compile_mode, "None or a torch.compile mode name")
+            raise not_allowed(name, "compile_mode", self.compile_mode, "None or a torch.compile mode name")
         for field in ("compile_fullgraph", "compile_dynamic"):
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
-                raise _bad(name, field, value, "None, True or False")
+                raise not_allowed(name, field, value, "None, True or False")
         if self.parallel is not None:
             from omni_diffusion.parallel.config import ParallelConfig
 
@@ -301,41 +298,41 @@ class AccelConfig:
             if isinstance(parallel, Mapping):
                 parallel = ParallelConfig.from_dict(dict(parallel))
             if not isinstance(parallel, ParallelConfig):
-                raise _bad(name, "parallel", self.parallel, "None, a ParallelConfig or a dict of its fields")
+                raise not_allowed(name, "parallel", self.parallel, "None, a ParallelConfig or a dict of its fields")
             if parallel.sequence_degree > 1 and self.cache is not None:
-                raise _bad(name, "cache", self.cache.kind,
-                           "None with sequence parallelism (ulysses/ring > 1): each rank sees "
-                           "part of the tokens, so cache decisions would differ between ranks")
+                raise not_allowed(name, "cache", self.cache.kind,
+                                  "None with sequence parallelism (ulysses/ring > 1): each rank sees "
+                                  "part of the tokens, so cache decisions would differ between ranks")
             object.__setattr__(self, "parallel", parallel if parallel.enabled else None)
         if self.attention_policy is not None:
-            from omni_diffusion.attention_policy import FullPrecisionPolicy
+            from omni_diffusion.attention.policy import FullPrecisionPolicy
 
             policy = self.attention_policy
             if isinstance(policy, Mapping):
                 policy = FullPrecisionPolicy.from_dict(dict(policy))
             if not isinstance(policy, FullPrecisionPolicy):
-                raise _bad(name, "attention_policy", self.attention_policy,
-                           "None, a FullPrecisionPolicy or a dict of its fields")
+                raise not_allowed(name, "attention_policy", self.attention_policy,
+                                  "None, a FullPrecisionPolicy or a dict of its fields")
             if self.attention != ATTENTION_AUTO:
-                raise _bad(name, "attention", self.attention,
-                           "'auto' with attention_policy (the policy steers omni's per-call choice)")
+                raise not_allowed(name, "attention", self.attention,
+                                  "'auto' with attention_policy (the policy steers omni's per-call choice)")
             if self.compile:
-                raise _bad(name, "compile", self.compile,
-                           "False with attention_policy (compiled blocks keep the attention backend "
-                           "chosen when they were traced)")
+                raise not_allowed(name, "compile", self.compile,
+                                  "False with attention_policy (compiled blocks keep the attention backend "
+                                  "chosen when they were traced)")
             if self.parallel is not None and self.parallel.sequence_degree > 1:
-                raise _bad(name, "attention_policy", policy.to_dict(),
-                           "None with sequence parallelism (ulysses/ring > 1)")
+                raise not_allowed(name, "attention_policy", policy.to_dict(),
+                                  "None with sequence parallelism (ulysses/ring > 1)")
             object.__setattr__(self, "attention_policy", policy)
         if not isinstance(self.cuda_graphs, bool):
-            raise _bad(name, "cuda_graphs", self.cuda_graphs, "True or False")
+            raise not_allowed(name, "cuda_graphs", self.cuda_graphs, "True or False")
         if self.fused_norm_rope is not None and not isinstance(self.fused_norm_rope, bool):
-            raise _bad(name, "fused_norm_rope", self.fused_norm_rope, "None (auto), True or False")
+            raise not_allowed(name, "fused_norm_rope", self.fused_norm_rope, "None (auto), True or False")
         if self.cuda_graphs and not self.compile:
-            raise _bad(name, "cuda_graphs", True, "True only with compile=True/'regional'")
+            raise not_allowed(name, "cuda_graphs", True, "True only with compile=True/'regional'")
         if self.cuda_graphs and self.compile_mode not in (None, "reduce-overhead"):
-            raise _bad(name, "compile_mode", self.compile_mode,
-                       "None or 'reduce-overhead' with cuda_graphs=True")
+            raise not_allowed(name, "compile_mode", self.compile_mode,
+                              "None or 'reduce-overhead' with cuda_graphs=True")
 
     @property
     def torch_compile_mode(self) -> str | None:
@@ -363,7 +360,7 @@ class AccelConfig:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"AccelConfig.from_dict needs a mapping, got {type(data).__name__}")
-        fields = _known_fields(cls, data)
+        fields = known_fields(cls, data)
         if isinstance(fields.get("quant_skip"), list):
             fields["quant_skip"] = tuple(fields["quant_skip"])
         return cls(**fields)
@@ -381,17 +378,6 @@ class AccelConfig:
 
     def __hash__(self) -> int:  # quant_options is a dict: hash the canonical JSON form
         return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
-
-
-def _known_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(
-            f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}; "
-            f"fields: {', '.join(names)}"
-        )
-    return dict(data)
 
 
 # --------------------------------------------------------------------------- CLI

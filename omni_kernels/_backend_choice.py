@@ -22,6 +22,8 @@ def choose_backend(
     describe: Callable[[], str],
     logged: set[tuple],
     logger: logging.Logger,
+    log_name: str | None = None,
+    where: str = "for",
 ) -> str:
     """Return the concrete backend to run.
 
@@ -33,6 +35,8 @@ def choose_backend(
         log_key: what makes two ``auto`` choices "the same kind of input" (logged once).
         describe: the inputs in words, for the log line (called only when logging).
         logged: the op's set of already-logged keys.
+        log_name: the op's name in the log line (default ``op_name``).
+        where: the word between the choice and ``describe()`` in the log line.
 
     Raises:
         ValueError: an explicit backend that cannot take the inputs, with the reason.
@@ -54,7 +58,7 @@ def choose_backend(
         logged.add(key)
         skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
         logger.info(
-            "%s backend='auto' chose %r for %s%s",
-            op_name, backend, describe(), f" (skipped {skipped})" if skipped else "",
+            "%s backend='auto' chose %r %s %s%s",
+            log_name or op_name, backend, where, describe(), f" (skipped {skipped})" if skipped else "",
         )
     return backend

@@ -27,7 +27,7 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division of Python ints, for host code (grids, block counts).
 
     Not ``triton.cdiv``: that is a ``@triton.jit`` function, and called from Python it goes
-    through the JIT's argument handling (~2 us a call, against ~0.03 us here).
+    through the JIT's argument handling, far slower than this.
     """
     return -(-a // b)
 
@@ -63,9 +63,9 @@ def eager_launch_allowed(*tensors: torch.Tensor | None) -> bool:
     """True when a Triton op's Python launcher may run directly instead of through its
     ``torch.library`` op: eager mode (not under ``torch.compile``), no dispatch mode active
     (``make_fx``, ``FakeTensorMode``, ...) and every tensor a plain ``torch.Tensor`` (or
-    ``nn.Parameter``). There the op adds only its dispatch, which on the H200's host cost more
-    than the kernel it launches (33.1 vs 18.7 us for the per-token quantization at Flux's
-    4608 x 3072); everywhere else the op is what tracing and fake tensors need."""
+    ``nn.Parameter``). There the op adds only its dispatch, which can cost more host time than
+    the kernel it launches takes on the GPU; everywhere else the op is what tracing and fake
+    tensors need."""
     if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
         return False
     return all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)

@@ -16,12 +16,14 @@ It calls ``omni_diffusion``; nothing below it imports this package.
   ``DELETE /v1/videos/{id}`` (cancels);
 * ``GET /v1/files/{name}``: ``response_format="url"`` results (random names, time limit).
 
-Modules: :mod:`~omni_serve.app` (the app factory), :mod:`~omni_serve.engine` (bounded
-queue, jobs, batch dispatch to replicas, worker supervision), :mod:`~omni_serve.batching`
-(which requests share a pipeline call; replica placement), :mod:`~omni_serve.worker` (the
-model process), :mod:`~omni_serve.media` (MP4/APNG encoding),
-:mod:`~omni_serve.schemas` (request bounds, error bodies), :mod:`~omni_serve.metrics`,
-:mod:`~omni_serve.playground`.
+Modules: :mod:`~omni_serve.app` (``create_app``: wiring), :mod:`~omni_serve.routes`
+(``system``, ``images``, ``videos``: the APIRouters), :mod:`~omni_serve.state` (what routes
+share), :mod:`~omni_serve.errors`, :mod:`~omni_serve.middleware` (API key, body limit,
+request metrics), :mod:`~omni_serve.files` (``url`` results), :mod:`~omni_serve.engine`
+(bounded queue, jobs, batch dispatch to replicas, worker supervision),
+:mod:`~omni_serve.batching`, :mod:`~omni_serve.worker` (the model process),
+:mod:`~omni_serve.media` (MP4/APNG encoding), :mod:`~omni_serve.schemas` (request bounds),
+:mod:`~omni_serve.metrics`, :mod:`~omni_serve.playground`.
 """
 
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from omni_serve import metrics as m
-from omni_serve.batching import select_batch, visible_devices
+from omni_serve.batching import rows_of, select_batch, visible_devices
 
 logger = logging.getLogger("omni_serve.engine")
 
@@ -93,53 +93,56 @@ class _Replica:
     info: dict[str, Any] | None = None  # the worker's "ready" report
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Engine:
     """Owns the worker processes and the jobs.
 
     Args:
         model: a diffusers folder or hub id, or None for the embedded default model of ``kind``.
+        accel: an ``AccelConfig.to_dict()`` to apply in the worker, or None.
         kind: ``"image"`` or ``"video"``: what the model makes (None: found when it loads).
         name: the model id clients see (``/v1/models``, a request's ``model``).
-        accel: an ``AccelConfig.to_dict()`` to apply in the worker, or None.
         max_queue: jobs that may wait for a worker; more get :class:`QueueFull`.
         device: ``"cpu"`` or ``"cuda"``: what the workers run on.
+        metrics: the :class:`omni_serve.metrics.Metrics` to update (default: a new one).
         placement: the device group of each replica
             (:func:`omni_serve.batching.plan_replicas`); default one worker on ``device``.
         max_batch: images one pipeline call may hold (1: no batching).
         batch_wait_s: how long a free worker waits for compatible jobs to join the oldest.
-        metrics: the :class:`omni_serve.metrics.Metrics` to update.
     """
 
-    def __init__(self, model: str | None, accel: dict | None = None, *, kind: str | None = None,
-                 name: str | None = None, max_queue: int = 16,
-                 device: str = "cpu", dtype: str = "float32", metrics: m.Metrics | None = None,
-                 placement: list[tuple[int, ...] | None] | None = None, max_batch: int = 8,
-                 batch_wait_s: float = 0.0,
-                 startup_timeout: float = 300.0, keep_videos_s: float = 3600.0) -> None:
+    model: str | None
+    accel: dict | None = None
+    _: dataclasses.KW_ONLY
+    kind: str | None = None
+    name: str | None = None
+    max_queue: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    metrics: m.Metrics | None = None
+    placement: list[tuple[int, ...] | None] | None = None
+    max_batch: int = 8
+    batch_wait_s: float = 0.0
+    startup_timeout: float = 300.0
+    keep_videos_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        max_batch, batch_wait_s = self.max_batch, self.batch_wait_s
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: {max_batch!r} is not allowed; allowed: an integer >= 1")
         if not isinstance(batch_wait_s, (int, float)) or not 0 <= batch_wait_s <= 10:
             raise ValueError(f"batch_wait_s: {batch_wait_s!r} is not allowed; "
                              "allowed: 0 to 10 seconds")
-        self.model = model
-        self.kind = kind
-        self.name = name
-        self.accel = accel
-        self.max_queue = max_queue
-        self.device = device
-        self.dtype = dtype
-        self.max_batch = max_batch
         self.batch_wait_s = float(batch_wait_s)
-        self.metrics = metrics or m.Metrics()
-        self.startup_timeout = startup_timeout
-        self.keep_videos_s = keep_videos_s
+        if self.metrics is None:
+            self.metrics = m.Metrics()
         self.jobs: dict[str, Job] = {}
         self._queued: collections.deque[Job] = collections.deque()
         self.info: dict[str, Any] | None = None
         self.ready = False
         self.fatal: str | None = None
         self._ctx = mp.get_context("spawn")
-        self.replicas = [_Replica(i, group) for i, group in enumerate(placement or [None])]
+        self.replicas = [_Replica(i, group) for i, group in enumerate(self.placement or [None])]
         self._stopping = False
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -310,7 +313,7 @@ class Engine:
             if not queued:
                 return
             batch = select_batch(queued, self.max_batch)
-            rows = sum(int(j.params.get("n") or 1) for j in batch)
+            rows = sum(rows_of(j.params) for j in batch)
             wait = queued[0].submitted + self.batch_wait_s - time.monotonic()
             if wait > 0 and rows < self.max_batch:
                 # let compatible requests arriving within the window join this batch

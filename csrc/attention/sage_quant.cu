@@ -338,7 +338,7 @@ __device__ void quantize_kv_block(const SageQuantParams& p, int blk, int bh, uin
 }
 
 // Two blocks an SM (128 registers; ptxas spills ~30 bytes a thread there): without the minimum
-// it took 139-215 registers, one block an SM, and the launch ran 1.4-1.6x slower on the H200.
+// it took 139-215 registers, one block an SM, and the launch ran markedly slower.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) qkv_codes_kernel(const SageQuantParams p) {
   __shared__ __align__(16) uint8_t v_staged[kKeys * kStagedRowBytes];

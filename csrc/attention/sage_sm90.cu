@@ -11,8 +11,7 @@
 // zero-scale block, whose pv is 0, keeps u); the row sums take alpha alone; the epilogue writes
 // o * u / l. The quantizer keeps every nonzero V scale >= 2^-30 (reference.V_AMAX_FLOOR), which
 // bounds u_old / u_new, so o stays finite for |V| < ~1e20 without a check in the loop (a
-// checked fold, or a per-CTA range test choosing it, measured 3-16% slower at Flux's size:
-// bench/results/attention-sm90-v-units-overflow_nvidia-h200_20261202.md). The math is
+// checked fold, or a per-CTA range test choosing it, was slower). The math is
 // omni_kernels/attention/quantized/reference.py's, step for step (but for where the unit trick
 // applies V's scales), with row_sums="fp8".
 //
@@ -131,9 +130,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 
 // Non-blocking: whether the phase of `bar` with this parity has completed. The consumers test
 // their next tiles before the softmax and block (mbar_wait) after it only if one was not ready:
-// the check's latency then hides behind the softmax instead of sitting between it and the MMAs
-// (a clock probe on the H200: ~190 of a key block's ~2600 cycles; the kernel alone ran 1-4%
-// faster at Flux and unchanged at the power-capped video sizes).
+// the check's latency then hides behind the softmax instead of sitting between it and the MMAs.
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -230,7 +227,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // d[64] (int32, m64n128) (+)= A (s8, shared) x B (s8, shared)^T over 32 of K.
 // accumulate == 0 starts a fresh sum (the instruction's own zeroing: setting the accumulator
 // with ordinary instructions costs 64 moves a block; a start from the bits of 1.5 * 2^23, which
-// let the scores be read without an int-to-float conversion, measured ~5% slower on the H200).
+// let the scores be read without an int-to-float conversion, was slower).
 __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                          int accumulate) {
   asm volatile(
@@ -325,15 +322,14 @@ struct RowSoftmax {
   // kMasked: keys past kv_len are masked (the caller passes true for the last block alone when
   // kv_len is not a multiple of kSageBlockN: the compare-and-selects cost ~3 instructions a
   // score, and the softmax bounds the kernel). s is only read here. Every exp2 is
-  // ex2.approx: a share on the FMA pipes (a polynomial, 1 to 4 of every 8 scores) measured
-  // slower on the H200 (bench/results/quantized_attention_sm90-scheduling-variants_*).
+  // ex2.approx: a share on the FMA pipes (a polynomial, 1 to 4 of every 8 scores) was slower.
   template <bool kMasked>
   __device__ __forceinline__ void exps(const uint32_t (&s)[64], float (&pf)[64], int j, int kv_len,
                                        float k_factor, int t, float& alpha_lo, float& alpha_hi) {
     const int valid_cols = kv_len - j * kSageBlockN - 2 * t;  // col 8c + 2t + e valid if < this
     const auto masked = [&](int i) { return kMasked && 8 * (i / 4) + (i % 2) >= valid_cols; };
     // Four independent partial maxima a row, then a tree: one dependent chain of 32 max
-    // operations a row measured 2-3% slower on the H200 (its latency sits in the softmax).
+    // operations a row was slower (its latency sits in the softmax).
     int part_lo[4], part_hi[4];  // INT32_MIN stands for "masked"
 #pragma unroll
     for (int c = 0; c < 4; ++c) part_lo[c] = part_hi[c] = INT32_MIN;
@@ -405,7 +401,7 @@ __device__ __forceinline__ void fold(float (&o)[68], const float (&pv)[68], floa
 #endif  // OMNI_SAGE_SM90_DEVICE
 
 // kSplit: this launch runs the split parts of the last wave's query blocks (a separate
-// instantiation: folding a runtime split into the one kernel cost its main loop 4-7% on the H200).
+// instantiation: folding a runtime split into the one kernel slowed its main loop).
 template <typename OutT, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     sage_sm90_kernel(const __grid_constant__ SageSm90Params p,
@@ -555,16 +551,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     float k_scale_next = num_n_blocks > 0 ? __ldg(k_scale) : 0.0f;
     float v_scale_next = num_n_blocks > 0 ? __ldg(v_scale) : 0.0f;
     // Block j's ring slot (j % kStages) and phase ((j / kStages) & 1), stepped per block: the
-    // divisions by kStages sat at the head of every block's critical path (kernel 2.6-3.7%
-    // faster stepped on the H200). ptxas -v then reports a 4-byte spill in the non-split
+    // divisions by kStages sat at the head of every block's critical path (stepped is
+    // faster). ptxas -v then reports a 4-byte spill in the non-split
     // kernels: one value stored at entry and reloaded outside the main loop (SASS checked).
     int stage = 0;
     uint32_t parity = 0;
     // One key block; kMasked (the last block alone, when kv_len is not a multiple of
     // kSageBlockN) masks keys past kv_len. The masked block is peeled off the loop so that
     // each copy is one straight-line block: with the two softmax variants behind a branch,
-    // ptxas left P's packing after the join, where it cannot overlap the exponentials (the
-    // peeled form measured 2-3% faster on the H200).
+    // ptxas left P's packing after the join, where it cannot overlap the exponentials.
     const auto step = [&](const int j, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       const bool has_next = j + 1 < num_n_blocks;
@@ -584,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (vs > 0.0f) u = vs;
       // This block's Q K^T (issued in the previous turn) completes here, after the fold and the
       // lines above: waiting at the end of the previous iteration let ptxas hoist the wait
-      // above the fold, which then never overlapped the Q K^T (kernel 3% slower on the H200).
+      // above the fold, which then never overlapped the Q K^T.
       wgmma_wait<0>();
       fence_operands(s);
       rows.template exps<kMasked>(s, pf, j_begin + j, kv_len, k_factor, t, alpha_lo, alpha_hi);

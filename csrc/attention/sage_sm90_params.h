@@ -68,10 +68,9 @@ struct SageSplitPlan {
 // key blocks on `sms` SMs (one CTA an SM). The last wave's `tail` blocks leave the other SMs
 // idle; cut into f parts, all in one wave (tail * f <= sms), they take 1/f of the wave plus each
 // part's fixed cost (Q, the pipeline's start, the partial's store and merge: ~0.2 of a 36-block
-// CTA on the H200). f is the most that fit, at most kSageMaxSplits and kv_blocks /
-// kSageMinSplitBlocks; `requested` > 0 forces f (1: never split). A tail that fits no 2 parts
-// per SM stays whole: on the H200 every split of Flux 1024^2's (72 of 132 SMs) measured slower.
-// Measured there: one head of Flux (36 blocks, f = 3) 1.75x; SD3 1024^2 (tail 48, f = 2) 1.04x.
+// CTA). f is the most that fit, at most kSageMaxSplits and kv_blocks / kSageMinSplitBlocks;
+// `requested` > 0 forces f (1: never split). A tail that fits no 2 parts per SM stays whole
+// (splitting Flux 1024^2's, 72 of 132 SMs, was slower).
 inline SageSplitPlan sage_split_plan(int64_t blocks, int64_t kv_blocks, int64_t sms,
                                      int64_t requested) {
   const int64_t tail = blocks % sms;

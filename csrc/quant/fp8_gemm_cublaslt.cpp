@@ -35,15 +35,14 @@ namespace omni::quant {
 namespace {
 
 constexpr const char* kOp = "fp8_gemm_cublaslt";
-// A tuned plan's candidates: cuBLASLt's heuristic ones (for these FP8 problems it offered one
-// on the H200) and the configurations enumerated here (tile x stages x cluster x split-K of
+// A tuned plan's candidates: cuBLASLt's heuristic ones (for these FP8 problems often just one)
+// and the configurations enumerated here (tile x stages x cluster x split-K of
 // each algorithm id, those cublasLtMatmulAlgoCheck accepts), at most kTuneCandidates in all.
 // Pass 1 times each once (after one warm-up run), in that order, until kTuneBudgetUs of GPU
 // time is spent; pass 2 re-times the kTuneFinalists fastest and the heuristic's first over
-// kTuneRuns runs and keeps the fastest median. On the H200 the enumeration beat the heuristic
-// only at small M (5-25% at M <= 512), where a run is short and the budget reaches far; at
-// Wan's 75600 rows (3-9 ms a run) the budget stops it after a few dozen, so a plan costs
-// well under a second once instead of seconds.
+// kTuneRuns runs and keeps the fastest median. The enumeration pays off at small M, where a run
+// is short and the budget reaches far; at large M the budget stops it after a few dozen, so a
+// plan costs well under a second once instead of seconds.
 constexpr int kHeuristicCandidates = 8;
 constexpr size_t kTuneCandidates = 384;
 constexpr size_t kTuneFinalists = 6;

@@ -5,7 +5,7 @@
 // omni_kernels/quant/reference.py), scheduled for memory-level parallelism instead: the register
 // kernel keeps the row in float32 registers, which at Flux's widths (12288-15360 values) holds
 // so many registers a row that only ~2 rows are in flight on an SM and each row's load,
-// reduction and store run one after the other (~2 TB/s on the H200). Here each thread issues
+// reduction and store run one after the other (far below read bandwidth). Here each thread issues
 // asynchronous 16-byte copies (cp.async) of its vectors into shared memory as the 16-bit input
 // (2 bytes a value, no registers held across the copy), then both passes read the staged row:
 // pass 1 the absolute maximum, pass 2 the codes. Small blocks and little shared memory a row
@@ -16,10 +16,8 @@
 // GELU columns is gelu(max x). Only rows whose GELU never reaches that bound (every value below
 // ~0.26) take a second pass of GELUs for the maximum. The GELU is thus evaluated once a value.
 //
-// H200, bf16 -> FP8 (bench/results/quant_activation_tune-staged_*, quant_per_token-staged_*):
-// GELU-folded 4608 x (3072 + 12288) in 58.8 us (3.6 TB/s; the register kernel took 132, the
-// Triton kernel 105), plain 4608 x 15360 in 56.5 us. Pass 1's packed 16-bit maxima and the
-// ex2.approx.ftz GELU took the GELU-folded kernel from 84.6 us (compute-bound) to that.
+// Pass 1's packed 16-bit maxima and the ex2.approx.ftz GELU keep the GELU-folded kernel from
+// being compute-bound. Measurements: bench/results/INDEX.md.
 #pragma once
 
 #include <cmath>

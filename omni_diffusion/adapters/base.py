@@ -337,31 +337,45 @@ class TensorParallelPlan:
     packed_rowwise: tuple[str, ...] = ()
     sharded_norms: tuple[str, ...] = ()
 
+    def extended(self, *, colwise: tuple[str, ...] = (), rowwise: tuple[str, ...] = (),
+                 packed_rowwise: tuple[str, ...] = ()) -> TensorParallelPlan:
+        """This plan with more patterns of each kind."""
+        return dataclasses.replace(self, colwise=self.colwise + colwise, rowwise=self.rowwise + rowwise,
+                                   packed_rowwise=self.packed_rowwise + packed_rowwise)
+
+
+def joint_attention_tp(blocks: str, mlps: tuple[str, str]) -> TensorParallelPlan:
+    """Tensor-parallel plan of dual-stream joint-attention blocks ``<blocks>.*``: diffusers'
+    ``Attention`` with ``add_[qkv]_proj`` for the text stream, and one diffusers ``FeedForward``
+    per stream (``mlps``: image, text). Q/K/V of both streams and each MLP's first layer
+    column-split; both output projections and each MLP's second layer row-split."""
+    return TensorParallelPlan(
+        colwise=(f"{blocks}.*.attn.to_[qkv]", f"{blocks}.*.attn.add_[qkv]_proj",
+                 *(f"{blocks}.*.{mlp}.net.0.proj" for mlp in mlps)),
+        rowwise=(f"{blocks}.*.attn.to_out.0", f"{blocks}.*.attn.to_add_out",
+                 *(f"{blocks}.*.{mlp}.net.2" for mlp in mlps)),
+    )
 
 
 #: Tensor-parallel plan of diffusers' Flux-style blocks, by their module names: dual-stream
 #: ``transformer_blocks`` (image and text streams, joint attention) then single-stream
 #: ``single_transformer_blocks`` (q/k/v and the MLP in parallel, one ``proj_out`` over
 #: ``cat([attention, mlp])``). FluxTransformer2DModel and HunyuanVideoTransformer3DModel both use
-#: this layout; an adapter extends it with its own extra modules.
-DUAL_SINGLE_STREAM_TP = TensorParallelPlan(
-    colwise=(
-        "transformer_blocks.*.attn.to_[qkv]",
-        "transformer_blocks.*.attn.add_[qkv]_proj",
-        "transformer_blocks.*.ff.net.0.proj",
-        "transformer_blocks.*.ff_context.net.0.proj",
-        "single_transformer_blocks.*.attn.to_[qkv]",
-        "single_transformer_blocks.*.proj_mlp",
-    ),
-    rowwise=(
-        "transformer_blocks.*.attn.to_out.0",
-        "transformer_blocks.*.attn.to_add_out",
-        "transformer_blocks.*.ff.net.2",
-        "transformer_blocks.*.ff_context.net.2",
-    ),
+#: this layout (with :func:`single_stream_packed_sizes`); an adapter extends it with its own
+#: extra modules.
+DUAL_SINGLE_STREAM_TP = joint_attention_tp("transformer_blocks", ("ff", "ff_context")).extended(
+    colwise=("single_transformer_blocks.*.attn.to_[qkv]", "single_transformer_blocks.*.proj_mlp"),
     # its input is cat([attention output, mlp hidden]), each column-split
     packed_rowwise=("single_transformer_blocks.*.proj_out",),
 )
+
+
+def single_stream_packed_sizes(transformer: nn.Module, linear: nn.Module) -> list[int]:
+    """The parts of a single-stream block's ``proj_out`` input (:data:`DUAL_SINGLE_STREAM_TP`):
+    the attention output (heads x head size), then the MLP hidden."""
+    attention_width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    return [attention_width, linear.in_features - attention_width]
+
 
 class ModelAdapter:
     """Base class of the per-family adapters; see the module docstring."""
@@ -462,7 +476,7 @@ class ModelAdapter:
         change diffusers' process-wide active backend, so other models are not
         affected. ``omni_backend=None`` picks per call (``"auto"``).
         """
-        from omni_diffusion.attention_backend import OMNI_BACKEND_NAME, register_omni_attention_backend
+        from omni_diffusion.attention.diffusers_backend import OMNI_BACKEND_NAME, register_omni_attention_backend
 
         name = OMNI_BACKEND_NAME if omni_backend is None else f"{OMNI_BACKEND_NAME}:{omni_backend}"
         member = register_omni_attention_backend(name, omni_backend=omni_backend)
@@ -534,13 +548,14 @@ class ModelAdapter:
 
     def apply_parallel_attention(self, module: nn.Module, parallel: Any) -> Undo:
         """Make attention module ``module`` run its attention through ``parallel``
-        (a :class:`omni_diffusion.parallel.usp.SequenceParallelAttention`).
+        (a :class:`omni_diffusion.parallel.sequence_attention.SequenceParallelAttention`).
 
         Default: its processor goes through diffusers' dispatcher; it is pointed
         at omni's sequence-parallel diffusers backend with ``parallel`` as its
         ``_parallel_config`` (which the dispatcher hands to the backend).
         """
-        from omni_diffusion.parallel.usp import route_dispatcher_processor
+        # imported here: the parallel package imports the adapters when it loads
+        from omni_diffusion.parallel.sequence_attention import route_dispatcher_processor
 
         return route_dispatcher_processor(module, parallel)
 
@@ -631,8 +646,10 @@ __all__ = [
     "SequenceParallelPlan",
     "TensorParallelPlan",
     "block_call",
+    "joint_attention_tp",
     "modulated_norm_input",
     "replacement_processor",
     "rms_norm_pair",
     "rms_norm_params",
+    "single_stream_packed_sizes",
 ]

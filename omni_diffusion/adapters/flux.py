@@ -10,20 +10,14 @@
   ``guidance_embeds``); ``true_cfg_scale > 1`` with a negative prompt adds
   separate conditional/unconditional calls.
 * Quantization skips the embedders, the final norm/projection and the AdaLN
-  modulation linears (one row per sample: bound by reading their weights, and
-  omni's weight-only GEMV does not yet read 8 bits faster than cuBLAS reads 16).
-  It may fuse the attention projections that read one input (``to_q/k/v`` of
-  both block kinds, ``add_q/k/v_proj`` of the dual-stream blocks) through
-  diffusers' ``fuse_projections()``; diffusers' Flux processors read
-  ``fused_projections`` and then call ``to_qkv`` / ``to_added_qkv``. (The
-  single-stream blocks' ``proj_mlp`` reads the same input as ``to_q/k/v`` but
-  is not fused: under ``torch.compile`` Inductor quantizes that input once for
-  both in the kernel that produces it.)
-* Norm fusion (W8A8, ``QuantConfig.fuse_norms``): both block kinds get a forward that quantizes
-  each LayerNorm + adaLN output once in omni's fused kernel for all the projections reading it
-  (the single blocks read their text and image streams in place: no 16-bit joint cat); it needs
-  the fused attention processor (``attend_projected``) and falls back to the block's own forward
-  without it.
+  modulation linears (one row per sample: bound by reading their weights). It may
+  fuse ``to_q/k/v`` (and ``add_q/k/v_proj``) through diffusers' ``fuse_projections()``;
+  diffusers' Flux processors read ``fused_projections``. (``proj_mlp`` reads the same
+  input but is not fused: under ``torch.compile`` Inductor quantizes it once for both.)
+* Norm fusion (W8A8, ``QuantConfig.fuse_norms``): both block kinds get a forward that
+  quantizes each LayerNorm + adaLN output once for all the projections reading it (no
+  16-bit joint cat in the single blocks); without the fused attention processor
+  (``attend_projected``) it falls back to the block's own forward.
 * TeaCache: the first block's ``norm1(hidden_states, emb=temb)`` output, with
   the polynomial TeaCache4FLUX calibrated on FLUX.1-dev (ali-vilab/TeaCache).
 """
@@ -36,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,
@@ -51,8 +45,9 @@ from omni_diffusion.adapters.base import (
     modulated_norm_input,
     replacement_processor,
     rms_norm_params,
+    single_stream_packed_sizes,
 )
-from omni_diffusion.quantization import (
+from omni_diffusion.quantization.norm_fusion import (
     class_forward,
     layer_norm_unfit,
     quantize_modulated_norm,
@@ -381,10 +376,8 @@ class FluxAdapter(ModelAdapter):
         "norm_out.*",
         "proj_out",
         # The AdaLN modulation linears (3072 -> 18432 / 9216 on one row per sample) stay bf16:
-        # INT8 weight-only through omni's GEMV was slower on the H200 (116 vs 42 us at M=1,
-        # 3072 -> 18432; the compiled step 90.9 vs 91.5 ms, eager 108.1 vs 102.0, +3.1 GiB peak:
-        # bench/results/pipeline-flux-modulation_nvidia-h200_20261130.md). quant_weight_only
-        # takes them once the GEMV reads 8-bit weights faster than cuBLAS reads bf16.
+        # INT8 weight-only through omni's GEMV measured slower than cuBLAS in bf16 (see
+        # bench/results/INDEX.md). quant_weight_only takes them once the GEMV is faster.
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
@@ -413,8 +406,7 @@ class FluxAdapter(ModelAdapter):
         return FLUX_TEACACHE_COEFFICIENTS
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
-        inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        return [inner, linear.in_features - inner]
+        return single_stream_packed_sizes(transformer, linear)
 
     def fused_norm_rope_processor(self, module: nn.Module) -> Any:
         # exactly FluxAttnProcessor: IP-adapter processors keep theirs

@@ -9,26 +9,16 @@
 * CFG: guidance-distilled (guidance embedding); ``true_cfg_scale > 1`` with a
   negative prompt adds separate calls in ``cache_context``.
 * Sequence parallelism (Ulysses, Ring, USP): the video tokens are split over
-  the ranks, the text tokens are replicated (the token refiner, which sees the
-  text alone, and the text stream run whole on every rank). Both block kinds
-  pass ``[local video, text]`` q/k/v to joint attention (the single-stream
-  blocks concatenate the two streams for their norm/MLP and split them around
-  attention by the text length, which is unchanged). Rotary ``(cos, sin)``,
-  each ``[S_video, D]``, covers the video tokens only and is cut to this
-  rank's; the dual blocks call it ``freqs_cis``, the single ones
-  ``image_rotary_emb``. The model builds one key mask ``[B, 1, 1, S_video + T]``
-  (video all True, text True up to each prompt's length) for every block: it
-  is cut to ``[local video, text]``, and sequence-parallel attention applies
-  its text part to the text keys: with Ulysses to the text + the group's video
-  keys, with Ring in the local step, the only one holding text keys (the
-  shards passed around are video keys, never padding). Token-replace
-  conditioning (image-to-video) modulates the first frame's tokens apart:
-  its count (``num_tokens``) becomes this rank's share of them.
+  the ranks, the text tokens (and the token refiner) replicated; both block kinds
+  pass ``[local video, text]`` q/k/v to joint attention. Rotary ``(cos, sin)``,
+  each ``[S_video, D]``, is cut to this rank's video tokens. The key mask
+  ``[B, 1, 1, S_video + T]`` is cut to ``[local video, text]``; only text keys are
+  ever padding. Token-replace conditioning (image-to-video): ``num_tokens`` becomes
+  this rank's share of the first frame's tokens.
 * Tensor parallelism: Q/K/V, the added text Q/K/V and the first MLP layers
-  column-split, output projections and second MLP layers row-split; the
-  single blocks' ``proj_out`` over ``[attention, MLP]`` is packed; the token
-  refiner's attention and MLP are split the same way. The per-head q/k
-  RMSNorms need nothing; the AdaLN modulation linears stay replicated.
+  column-split, output projections and second MLP layers row-split (the single
+  blocks' ``proj_out`` over ``[attention, MLP]`` packed); the AdaLN modulation
+  linears stay replicated.
 * Quantization skips the patch and context embedders (the latter holds the
   text token refiner), the timestep/guidance embedders, the final
   norm/projection and the AdaLN modulation linears.
@@ -43,13 +33,12 @@
 from __future__ import annotations
 
 import functools
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     DUAL_SINGLE_STREAM_TP,
     FEED_FORWARD_GELU,
@@ -63,6 +52,7 @@ from omni_diffusion.adapters.base import (
     modulated_norm_input,
     replacement_processor,
     rms_norm_pair,
+    single_stream_packed_sizes,
 )
 
 #: TeaCache4HunyuanVideo, highest power first
@@ -201,13 +191,12 @@ class HunyuanVideoAdapter(ModelAdapter):
         leading_image_count_args=("num_tokens",),
     )
     # Flux's block layout plus the text token refiner's blocks
-    tensor_parallel = dataclasses.replace(
-        DUAL_SINGLE_STREAM_TP,
-        colwise=DUAL_SINGLE_STREAM_TP.colwise + (
+    tensor_parallel = DUAL_SINGLE_STREAM_TP.extended(
+        colwise=(
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_[qkv]",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.0.proj",
         ),
-        rowwise=DUAL_SINGLE_STREAM_TP.rowwise + (
+        rowwise=(
             "context_embedder.token_refiner.refiner_blocks.*.attn.to_out.0",
             "context_embedder.token_refiner.refiner_blocks.*.ff.net.2",
         ),
@@ -242,9 +231,7 @@ class HunyuanVideoAdapter(ModelAdapter):
         return replacement_processor(module, "HunyuanVideoAttnProcessor2_0", processor_class)
 
     def tp_packed_sizes(self, transformer: nn.Module, name: str, linear: nn.Module) -> list[int]:
-        """A single block's ``proj_out`` input: the attention output (heads x head size), then the MLP."""
-        attention_width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        return [attention_width, linear.in_features - attention_width]
+        return single_stream_packed_sizes(transformer, linear)
 
     # ------------------------------------------------------------------ LLM prompt stage
     # (omni_diffusion.ar: the Llama text encoder run in vLLM, and the prompt enhancer)

@@ -10,22 +10,14 @@
   is encoded to its own length: the two calls' text lengths may differ, which
   CFG parallelism allows).
 * Sequence parallelism (Ulysses, Ring, USP): the image tokens are split over
-  the ranks, the text tokens are replicated (every rank runs the whole text
-  stream). The processor concatenates text then image q/k/v, so joint
-  attention sees ``[text, local image]``. Rotary comes as a pair
-  ``(image_freqs [S_image, D/2], text_freqs [T, D/2])`` (complex): the image
-  table is cut to this rank's tokens, the text table passes whole. The text
-  padding mask (``encoder_hidden_states_mask``, ``[B, T]``) is replicated and
-  reaches the processor unchanged; the processor builds the joint key mask
-  ``[B, 1, 1, T + n_local]`` with the local image keys all True, and
-  sequence-parallel attention applies its text part to the text keys (in the
-  local Ring step, the one holding them). ``modulate_index`` (``[B, S_image]``,
-  Qwen-Image-Edit-2511's per-token modulation choice) is cut like the image tokens.
-* Tensor parallelism: Q/K/V of both streams and the first MLP layers of both
-  streams column-split, the two output projections and second MLP layers
-  row-split (one all-reduce each); the per-head q/k RMSNorms need nothing. The
-  processor derives the head size as ``inner_dim // heads``, both of which
-  tensor parallelism divides. The modulation linears stay replicated.
+  the ranks, the text tokens replicated; joint attention sees ``[text, local image]``.
+  Rotary ``(image_freqs [S_image, D/2], text_freqs [T, D/2])``: the image table is
+  cut to this rank's tokens. The text padding mask ``[B, T]`` is replicated; the
+  processor's joint key mask ``[B, 1, 1, T + n_local]`` has the image keys all True.
+  ``modulate_index`` ``[B, S_image]`` (Qwen-Image-Edit-2511) is cut like the image tokens.
+* Tensor parallelism: Q/K/V and the first MLP layers of both streams column-split,
+  output projections and second MLP layers row-split (one all-reduce each); the
+  modulation linears stay replicated.
 * Quantization skips the input projections, the timestep embedder, the final
   norm/projection and the per-block modulation linears (``img_mod``/``txt_mod``).
 * TeaCache: the first block's modulated image input (``img_norm1`` then
@@ -43,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     FEED_FORWARD_GELU,
     BlockCall,
@@ -52,7 +44,7 @@ from omni_diffusion.adapters.base import (
     ModelAdapter,
     SequenceLayout,
     SequenceParallelPlan,
-    TensorParallelPlan,
+    joint_attention_tp,
     replacement_processor,
     rms_norm_pair,
 )
@@ -151,20 +143,7 @@ class QwenImageAdapter(ModelAdapter):
         rotary_arg="image_rotary_emb", rotary_seq_dim=0, rotary_text_entries=(1,),
         image_token_args=("modulate_index",),
     )
-    tensor_parallel = TensorParallelPlan(
-        colwise=(
-            "transformer_blocks.*.attn.to_[qkv]",
-            "transformer_blocks.*.attn.add_[qkv]_proj",
-            "transformer_blocks.*.img_mlp.net.0.proj",
-            "transformer_blocks.*.txt_mlp.net.0.proj",
-        ),
-        rowwise=(
-            "transformer_blocks.*.attn.to_out.0",
-            "transformer_blocks.*.attn.to_add_out",
-            "transformer_blocks.*.img_mlp.net.2",
-            "transformer_blocks.*.txt_mlp.net.2",
-        ),
-    )
+    tensor_parallel = joint_attention_tp("transformer_blocks", ("img_mlp", "txt_mlp"))
     quant_skip = (
         "img_in",
         "txt_in",

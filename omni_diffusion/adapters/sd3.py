@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     FEED_FORWARD_GELU,
     BlockCall,
@@ -40,12 +40,21 @@ from omni_diffusion.adapters.base import (
     ModelAdapter,
     SequenceLayout,
     SequenceParallelPlan,
-    TensorParallelPlan,
     Undo,
+    joint_attention_tp,
     modulated_norm_input,
 )
 
 _REPLACED_PROCESSORS = ("JointAttnProcessor2_0",)
+
+
+def _projections(attn: nn.Module, x: torch.Tensor, fused: bool, fused_name: str,
+                 names: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
+    """q, k, v ``[B, S, H*D]`` of ``x``: from the fused layer ``fused_name`` (q, k, v in order)
+    when the projections are fused, else from the three layers ``names``."""
+    if fused:
+        return getattr(attn, fused_name)(x).chunk(3, dim=-1)
+    return tuple(getattr(attn, name)(x) for name in names)
 
 
 class OmniJointAttnProcessor:
@@ -92,25 +101,17 @@ class OmniJointAttnProcessor:
         def split(x: torch.Tensor) -> torch.Tensor:  # [B, S, H*D] -> [B, S, H, D]
             return x.view(batch, x.shape[1], heads, -1)
 
-        if fused:
-            query, key, value = (split(t) for t in attn.to_qkv(hidden_states).chunk(3, dim=-1))
-        else:
-            query = split(attn.to_q(hidden_states))
-            key = split(attn.to_k(hidden_states))
-            value = split(attn.to_v(hidden_states))
+        query, key, value = (split(t) for t in _projections(attn, hidden_states, fused, "to_qkv",
+                                                            ("to_q", "to_k", "to_v")))
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         if attn.norm_k is not None:
             key = attn.norm_k(key)
         if encoder_hidden_states is not None:
-            if fused:
-                c_query, c_key, c_value = (
-                    split(t) for t in attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-                )
-            else:
-                c_query = split(attn.add_q_proj(encoder_hidden_states))
-                c_key = split(attn.add_k_proj(encoder_hidden_states))
-                c_value = split(attn.add_v_proj(encoder_hidden_states))
+            c_query, c_key, c_value = (
+                split(t) for t in _projections(attn, encoder_hidden_states, fused, "to_added_qkv",
+                                               ("add_q_proj", "add_k_proj", "add_v_proj"))
+            )
             if attn.norm_added_q is not None:
                 c_query = attn.norm_added_q(c_query)
             if attn.norm_added_k is not None:
@@ -156,21 +157,9 @@ class SD3Adapter(ModelAdapter):
         joint_attention=("transformer_blocks.*.attn",),
         image_attention=("transformer_blocks.*.attn2",),  # SD3.5's image-only attention
     )
-    tensor_parallel = TensorParallelPlan(
-        colwise=(
-            "transformer_blocks.*.attn.to_[qkv]",
-            "transformer_blocks.*.attn.add_[qkv]_proj",
-            "transformer_blocks.*.attn2.to_[qkv]",
-            "transformer_blocks.*.ff.net.0.proj",
-            "transformer_blocks.*.ff_context.net.0.proj",
-        ),
-        rowwise=(
-            "transformer_blocks.*.attn.to_out.0",
-            "transformer_blocks.*.attn.to_add_out",
-            "transformer_blocks.*.attn2.to_out.0",
-            "transformer_blocks.*.ff.net.2",
-            "transformer_blocks.*.ff_context.net.2",
-        ),
+    tensor_parallel = joint_attention_tp("transformer_blocks", ("ff", "ff_context")).extended(
+        colwise=("transformer_blocks.*.attn2.to_[qkv]",),
+        rowwise=("transformer_blocks.*.attn2.to_out.0",),
     )
     quant_skip = (
         "pos_embed.*",

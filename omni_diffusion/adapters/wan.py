@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_diffusion.adapters import register_adapter
+from omni_diffusion.adapters.registry import register_adapter
 from omni_diffusion.adapters.base import (
     FEED_FORWARD_GELU,
     BlockCall,

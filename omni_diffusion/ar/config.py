@@ -24,11 +24,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from omni_diffusion._fields import known_fields, not_allowed
+
 PLACEMENTS = ("engine", "server")
-
-
-def _bad(cls: str, field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{cls}.{field}: {value!r} is not allowed; allowed: {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,24 +42,24 @@ class _VLLMPlacement:
     def __post_init__(self) -> None:
         name = type(self).__name__
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
-            raise _bad(name, "model", self.model, "None or a model folder / name")
+            raise not_allowed(name, "model", self.model, "None or a model folder / name")
         if self.placement not in PLACEMENTS:
-            raise _bad(name, "placement", self.placement, ", ".join(map(repr, PLACEMENTS)))
+            raise not_allowed(name, "placement", self.placement, ", ".join(map(repr, PLACEMENTS)))
         if self.url is not None:
             if self.placement != "server":
-                raise _bad(name, "url", self.url, "None unless placement='server'")
+                raise not_allowed(name, "url", self.url, "None unless placement='server'")
             if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-                raise _bad(name, "url", self.url, "None or an http(s):// base URL")
+                raise not_allowed(name, "url", self.url, "None or an http(s):// base URL")
         if self.python is not None and (self.placement != "server" or self.url is not None):
-            raise _bad(name, "python", self.python,
-                       "None unless placement='server' without url (the interpreter that launches vLLM)")
+            raise not_allowed(name, "python", self.python,
+                              "None unless placement='server' without url (the interpreter that launches vLLM)")
         value = self.gpu_memory_utilization
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise _bad(name, "gpu_memory_utilization", value, "a number in (0, 1]")
+            raise not_allowed(name, "gpu_memory_utilization", value, "a number in (0, 1]")
         if not isinstance(self.dtype, str) or not self.dtype:
-            raise _bad(name, "dtype", self.dtype, "a vLLM dtype name ('auto', 'bfloat16', ...)")
+            raise not_allowed(name, "dtype", self.dtype, "a vLLM dtype name ('auto', 'bfloat16', ...)")
         if not isinstance(self.engine_args, Mapping) or not all(isinstance(k, str) for k in self.engine_args):
-            raise _bad(name, "engine_args", self.engine_args, "a mapping of vLLM engine arguments")
+            raise not_allowed(name, "engine_args", self.engine_args, "a mapping of vLLM engine arguments")
         object.__setattr__(self, "engine_args", dict(self.engine_args))
 
     @classmethod
@@ -72,12 +70,7 @@ class _VLLMPlacement:
         if not isinstance(data, Mapping):
             raise ValueError(f"{cls.__name__}.from_dict needs a mapping or a model string, "
                              f"got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}; "
-                             f"fields: {', '.join(names)}")
-        return cls(**data)
+        return cls(**known_fields(cls, data))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -112,10 +105,10 @@ class PromptEncoderConfig(_VLLMPlacement):
         name = type(self).__name__
         value = self.batch_window_ms
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise _bad(name, "batch_window_ms", value, "a number >= 0")
+            raise not_allowed(name, "batch_window_ms", value, "a number >= 0")
         value = self.max_batch_prompts
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _bad(name, "max_batch_prompts", value, "an integer >= 1")
+            raise not_allowed(name, "max_batch_prompts", value, "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,17 +135,17 @@ class PromptEnhancerConfig(_VLLMPlacement):
         super().__post_init__()
         name = type(self).__name__
         if self.model is None:
-            raise _bad(name, "model", None, "a chat model folder or name")
+            raise not_allowed(name, "model", None, "a chat model folder or name")
         if self.system_prompt is not None and (not isinstance(self.system_prompt, str)
                                                or not self.system_prompt.strip()):
-            raise _bad(name, "system_prompt", self.system_prompt, "None or a non-empty string")
+            raise not_allowed(name, "system_prompt", self.system_prompt, "None or a non-empty string")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise _bad(name, "max_tokens", self.max_tokens, "an integer >= 1")
+            raise not_allowed(name, "max_tokens", self.max_tokens, "an integer >= 1")
         value = self.temperature
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise _bad(name, "temperature", value, "a number >= 0")
+            raise not_allowed(name, "temperature", value, "a number >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad(name, "seed", self.seed, "an integer")
+            raise not_allowed(name, "seed", self.seed, "an integer")
 
 
 __all__ = ["PLACEMENTS", "PromptEncoderConfig", "PromptEnhancerConfig"]

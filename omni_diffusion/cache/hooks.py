@@ -3,36 +3,25 @@
 How the hooks sit (:class:`CacheController`, one per denoiser):
 
 * Each block ``nn.ModuleList`` the adapter names gets its class swapped for
-  :class:`_CachedBlockList`, a ModuleList subclass whose ``__iter__`` yields,
-  while a generation is running, light proxies around the blocks instead of
-  the blocks. The transformer's own ``forward`` (``for block in
-  self.transformer_blocks: ... = block(...)``) runs unchanged and calls the
-  proxies, which decide per call whether to run the real block or to pass its
-  inputs through. The blocks themselves, their state-dict names and their
-  identity are untouched, so the decision logic stays *outside* regionally
-  compiled blocks (``block.compile()``), and undo just swaps the class back.
-* A forward pre-hook on the transformer opens the pass (finds the generation
-  and branch, see :mod:`omni_diffusion.cache.state`); a forward hook closes it
-  (stores the residual of the blocks that ran, counts hits).
-* The transformer's ``cache_context`` (diffusers' CacheMixin) is wrapped so
-  the branch name ("cond"/"uncond") and step index the pipeline gives reach
-  the hooks.
+  :class:`_CachedBlockList`, whose ``__iter__`` yields, while a generation runs, proxies
+  that decide per call whether to run the real block or pass its inputs through. The
+  transformer's own ``forward`` runs unchanged, the blocks (names, identity) are untouched,
+  so the decision stays outside regionally compiled blocks, and undo swaps the class back.
+* A forward pre-hook on the transformer opens the pass (generation and branch, see
+  :mod:`omni_diffusion.cache.state`); a forward hook closes it (stores the residual, counts
+  hits). The wrapped ``cache_context`` tells the hooks the branch ("cond"/"uncond") and step.
 
-First-Block-Cache: the first block always runs; its output residual ``out0 -
-in0`` is compared (relative L1) with the one of the last fully computed step.
-Below ``threshold``: every other block is skipped and the output is ``out0 +
-cached(last - out0)``. Otherwise all blocks run and the cache is updated.
+First-Block-Cache: the first block always runs; when the relative L1 change of its output
+residual ``out0 - in0`` since the last fully computed step is below ``threshold``, the other
+blocks are skipped and the output is ``out0 + cached(last - out0)``.
 
-TeaCache: before the first block, the adapter's timestep-modulated input is
-compared (relative L1, rescaled by the calibrated polynomial) with the
-previous step's and accumulated. While the sum stays below ``threshold`` the
-whole stack is skipped (``output = input + cached(last - input)``); when it
-reaches it the stack runs, the cache is updated and the sum restarts at 0.
+TeaCache: the relative L1 change of the adapter's timestep-modulated input, rescaled by the
+calibrated polynomial, is accumulated; while the sum stays below ``threshold`` the whole stack
+is skipped (``output = input + cached(last - input)``), else it runs and the sum restarts.
 
-Both: the first ``warmup_steps`` and last ``final_steps`` steps always run,
-at most ``max_consecutive_hits`` steps in a row are skipped, and
-``threshold = 0`` never skips. ControlNet residuals (adapter's
-``cache_disabling_kwargs``) turn caching off for that call.
+Both: the first ``warmup_steps`` and last ``final_steps`` always run, at most
+``max_consecutive_hits`` in a row are skipped, ``threshold = 0`` never skips, and ControlNet
+residuals (the adapter's ``cache_disabling_kwargs``) turn caching off for that call.
 """
 
 from __future__ import annotations

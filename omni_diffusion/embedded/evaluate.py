@@ -22,23 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-
-def digit_prompt(digit: int) -> str:
-    """The image prompt of ``digit``: ``"a handwritten digit seven"``."""
-    return f"a handwritten digit {DIGIT_WORDS[digit]}"
-
-
-def digit_images(size: int = 32) -> tuple[torch.Tensor, np.ndarray]:
-    """All 1797 digits as ``(N, 1, size, size)`` float32 in [-1, 1] (ink bright), and their labels."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.from_numpy(data.images.astype(np.float32) / 16.0)[:, None]
-    if size != 8:
-        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-    return (x * 2 - 1).clamp(-1, 1), data.target.astype(np.int64)
+from .digits import DIGIT_WORDS, digit_images, digit_prompt, pooled_features  # noqa: F401
 
 
 def to_gray(images) -> torch.Tensor:
@@ -59,14 +43,6 @@ def to_gray(images) -> torch.Tensor:
     return x.mean(1).clamp(-1, 1)
 
 
-def _features(gray: torch.Tensor) -> np.ndarray:
-    """``(N, H, W)`` in [-1, 1] -> ``(N, 64)`` in load_digits' 0..16 scale (average-pooled to 8x8)."""
-    x = gray[:, None]
-    if x.shape[-1] != 8:
-        x = F.adaptive_avg_pool2d(x, 8)
-    return ((x + 1) * 8).reshape(len(x), 64).numpy().astype(np.float64)
-
-
 class DigitClassifier:
     """An SVM (RBF kernel) on 8x8 digits, trained on a seeded 75% split of load_digits (upsampled
     to 32x32 and pooled back, as generated images are); ``test_accuracy`` is its accuracy on
@@ -77,7 +53,7 @@ class DigitClassifier:
         from sklearn.svm import SVC
 
         images, labels = digit_images(32)
-        feats = _features(images[:, 0])
+        feats = pooled_features(images[:, 0])
         x_tr, x_te, y_tr, y_te = train_test_split(feats, labels, test_size=0.25,
                                                   random_state=seed, stratify=labels)
         self.model = SVC(gamma="scale", C=10.0).fit(x_tr, y_tr)
@@ -85,7 +61,7 @@ class DigitClassifier:
 
     def predict(self, images) -> np.ndarray:
         """The digit of each image (any form :func:`to_gray` takes)."""
-        return self.model.predict(_features(to_gray(images)))
+        return self.model.predict(pooled_features(to_gray(images)))
 
 
 @lru_cache(maxsize=2)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .evaluate import _features, digit_images, digit_prompt
+from .digits import digit_images, digit_prompt, pooled_features
 
 DIRECTIONS = ("left", "right", "up", "down")
 #: (dx, dy) per direction, in pixels per frame (y grows downwards)
@@ -169,7 +169,7 @@ class FrameDigitClassifier:
                 clip = render_clip(images[i, 0], direction, offset)
                 crops.append(_window_crops(clip[rng.choice(FRAMES, 3, replace=False)]))
                 ys += [labels[i]] * 3
-            return _features(torch.cat(crops)), np.asarray(ys)
+            return pooled_features(torch.cat(crops)), np.asarray(ys)
 
         x_tr, y_tr = frames_of(train)
         x_te, y_te = frames_of(test)
@@ -178,7 +178,7 @@ class FrameDigitClassifier:
 
     def predict(self, frames: torch.Tensor) -> np.ndarray:
         """The digit of each frame ``(M, H, W)`` in [-1, 1]: ``(M,)`` int64."""
-        return self.model.predict(_features(_window_crops(frames)))
+        return self.model.predict(pooled_features(_window_crops(frames)))
 
 
 @lru_cache(maxsize=2)

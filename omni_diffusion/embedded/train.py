@@ -26,35 +26,15 @@ the embedded model: ``--out omni_diffusion/embedded/models/digits-image``.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .evaluate import digit_images, digit_prompt
+from .digits import digit_images, digit_prompt
+from .optim import optimizer_step, seed_everything
 
 TEXT_LEN = 32
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def optimizer_step(opt, sched, loss: torch.Tensor, clip_params=None) -> torch.Tensor:
-    """Backpropagate ``loss``, clip the gradients of ``clip_params`` to norm 1 (when given),
-    step the optimizer and its schedule; returns the loss, detached, on its device (reading
-    it as a number every step would synchronize a GPU; format it when logging)."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if clip_params is not None:
-        torch.nn.utils.clip_grad_norm_(clip_params, 1.0)
-    opt.step()
-    sched.step()
-    return loss.detach()
 
 
 def build_image_pipeline():
@@ -160,7 +140,7 @@ def finetune_image(init: str | Path, out: str | Path, seed: int = 0, steps: int 
     """Continue training a saved image pipeline with the text encoders trainable."""
     import diffusers
 
-    _seed(seed)
+    seed_everything(seed)
     start = time.time()
     pipe = diffusers.FluxPipeline.from_pretrained(init)
     pipe.set_progress_bar_config(disable=True)
@@ -181,7 +161,7 @@ def train_image(out: str | Path, seed: int = 0, vae_steps: int = 300, steps: int
     encoders frozen, ``finetune_steps`` more train them too (reseeded, a fresh schedule), as
     :func:`finetune_image` does: with frozen random encoders alone the transformer did not
     learn to tell the prompts apart."""
-    _seed(seed)
+    seed_everything(seed)
     start = time.time()
     pipe = build_image_pipeline()
     images, labels = digit_images(32)
@@ -196,7 +176,7 @@ def train_image(out: str | Path, seed: int = 0, vae_steps: int = 300, steps: int
     log(f"vae trained in {t_vae:.0f}s; latents {tuple(lat.shape[1:])}, shift {shift:.4f}, std {std:.4f}")
     _train_transformer(pipe, latents, torch.from_numpy(labels), steps, batch, log)
     if finetune_steps:
-        _seed(seed)
+        seed_everything(seed)
         _train_transformer(pipe, latents, torch.from_numpy(labels), finetune_steps, batch, log,
                            train_text=True)
     log(f"transformer trained in {time.time() - start - t_vae:.0f}s; total {time.time() - start:.0f}s")

@@ -2,30 +2,25 @@
 
     python -m omni_diffusion.embedded.train --kind video --out DIR --seed 0 --device cuda
 
-The data: :func:`~.evaluate_video.moving_digit_clips`, scikit-learn's digits crossing a 32x32
-frame in 9 frames, to the left, right, up or down; prompts ``"a handwritten digit three
-moving right"``. Two stages:
+The data: :func:`~.evaluate_video.moving_digit_clips` (digits crossing a 32x32 frame in 9
+frames, left, right, up or down; prompts ``"a handwritten digit three moving right"``). Stages:
 
 1. the VAE (AutoencoderKLWan: 2x spatial and 2x temporal compression, 4 latent channels) on
-   5-frame windows of the clips (Wan's causal VAE reads the first frame alone, then chunks of 4
-   frames with a cache of the chunk before: a window trains both paths at about half the cost
-   of a whole clip): reconstruction + a small KL term;
-1b. its decoder alone on whole clips (after 5-frame windows the third chunk, decoded with the
-   cache of a non-first chunk, came out worse: 18 dB against 23, and 17% fewer digits read
-   right); the encoder, hence the latents, stay as they are. Then ``latents_mean`` /
-   ``latents_std`` are set per channel from the latents of all clips (9 frames -> 5 latent
-   frames of 16x16);
-2. the transformer (WanTransformer3DModel of :data:`ARCHITECTURES`; the shipped ``wide``:
-   4 layers, 6 heads of 32, patches 1x4x4, 80 tokens) and the UMT5 text encoder (word-level
-   tokenizer, :func:`word_tokenizer`) together, from the start, rectified flow matching
-   (target ``noise - latents``, timestep ``1000 * sigma``, as WanPipeline calls it) with the
-   prompts encoded as WanPipeline encodes them; 10% empty prompts, so classifier-free guidance
-   works. The shipped one: 4490 steps of 256 clips on an H200 (~4 minutes).
+   5-frame windows (Wan's causal VAE reads the first frame alone, then chunks of 4 frames with
+   a cache of the chunk before: a window trains both paths at half the cost of a whole clip):
+   reconstruction + a small KL term;
+1b. its decoder alone on whole clips (windows leave the third chunk, decoded with a non-first
+   chunk's cache, worse); the latents stay as they are. Then ``latents_mean`` / ``latents_std``
+   are set per channel from the latents of all clips (5 latent frames of 16x16);
+2. the transformer (:data:`ARCHITECTURES`) and the UMT5 text encoder (:func:`word_tokenizer`)
+   together: rectified flow matching (target ``noise - latents``, timestep ``1000 * sigma``, as
+   WanPipeline calls it) on prompts encoded as WanPipeline encodes them; 10% empty prompts, so
+   classifier-free guidance works.
 
-``--vae-from DIR`` skips stage 1 and takes the VAE of a saved pipeline (the shipped model's
-transformer was trained so, on the VAE of the model before it); ``--init DIR`` continues a
-whole saved pipeline; ``--init DIR --steps 0 --decoder-steps N`` runs stage 1b alone on a saved
-pipeline. The result is saved with ``save_pretrained`` (safetensors) into ``--out``.
+``--vae-from DIR`` skips stage 1 and takes the VAE of a saved pipeline; ``--init DIR`` continues
+a whole saved pipeline; ``--init DIR --steps 0 --decoder-steps N`` runs stage 1b alone. The result
+is saved with ``save_pretrained`` (safetensors) into ``--out``. How the shipped model was trained:
+``omni_diffusion/embedded/README.md``.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ import torch
 
 from .evaluate import psnr
 from .evaluate_video import DIRECTIONS, moving_digit_clips, video_prompt
-from .train import _seed, optimizer_step
+from .optim import optimizer_step, seed_everything
 
 #: UMT5 prompt length: "a handwritten digit three moving right" is 6 words + </s>
 TEXT_LEN = 16
@@ -71,10 +66,8 @@ def word_tokenizer(model_max_length: int = TEXT_LEN):
     )
 
 
-#: Transformer and text-encoder sizes, by name (``--arch``). ``wide`` is the shipped one. The
-#: three were trained side by side on one H200 (scripts/train_video_gpu.sh, 220 s each, on the
-#: same VAE): prompt adherence over 100 clips wide 93%, base 66%, deep 61% (direction 100%
-#: for all three; the digit made the difference).
+#: Transformer and text-encoder sizes, by name (``--arch``). ``wide`` is the shipped one: it
+#: followed the prompts best of the three (omni_diffusion/embedded/README.md).
 ARCHITECTURES = {
     # patches 1x4x4 (80 tokens of 64 values), 192 wide (6 heads of 32), 4 layers
     "wide": dict(width=192, heads=6, layers=4, ffn=768, patch=(1, 4, 4), text_width=64),
@@ -172,7 +165,7 @@ def finetune_decoder(init: str | Path, out: str | Path, seed: int = 0, steps: in
     pipe = diffusers.WanPipeline.from_pretrained(init).to(device)
     pipe.set_progress_bar_config(disable=True)
     clips, _, _ = moving_digit_clips(seed)
-    _seed(seed)  # as train_video seeds this stage
+    seed_everything(seed)  # as train_video seeds this stage
     _train_vae(pipe.vae, clips, steps, batch, log, decoder_only=True)
     with torch.no_grad():
         lat = encode_clips(pipe.vae, clips[:64])
@@ -281,7 +274,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
         # TF32 matmuls: the tiny model's training is launch-bound anyway, and they cost nothing
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    _seed(seed)
+    seed_everything(seed)
     start = time.time()
     clips, digits, dirs = moving_digit_clips(seed)
     trained_vae = False
@@ -295,7 +288,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
         pipe = build_video_pipeline(arch).to(device)
         _train_vae(pipe.vae, clips, vae_steps, vae_batch, log, window=WINDOW)
         if decoder_steps:
-            _seed(seed)
+            seed_everything(seed)
             _train_vae(pipe.vae, clips, decoder_steps, vae_batch, log, decoder_only=True)
         trained_vae = True
     t_vae = time.time() - start
@@ -318,7 +311,7 @@ def train_video(out: str | Path, seed: int = 0, vae_steps: int = 300, decoder_st
     if time_budget:
         steps = steps_for_budget(pipe, latents, digits_t, dirs_t, batch, time_budget, log)
     if steps:  # (0: stage 1 alone, to be continued with ``init``)
-        _seed(seed)
+        seed_everything(seed)
         t0 = time.time()
         _train_transformer(pipe, latents, digits_t, dirs_t, steps, batch, log, lr=lr)
         log(f"transformer trained in {time.time() - t0:.0f}s ({steps} steps of {batch}, arch "

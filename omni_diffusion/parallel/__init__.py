@@ -2,8 +2,9 @@
 
 One :class:`ParallelConfig` maps onto a ``torch.distributed`` DeviceMesh
 (:mod:`.config`); each strategy is one module: :mod:`.cfg_parallel`,
-:mod:`.ulysses`, :mod:`.ring`, :mod:`.usp` (their composition and the token
-placement: image tokens sharded, text tokens replicated),
+:mod:`.ulysses`, :mod:`.ring`, :mod:`.sequence_attention` (their composition in one
+attention call) and :mod:`.usp` (the token placement: image tokens sharded, text tokens
+replicated),
 :mod:`.tensor_parallel`. :mod:`.apply` validates and installs them; the
 per-model facts come from the adapters (``sequence_parallel``,
 ``tensor_parallel``, ``cfg``). Use it through

@@ -1,7 +1,7 @@
 """Putting a :class:`ParallelConfig` on a pipeline: validation, mesh, then each strategy.
 
 :func:`prepare` checks everything that needs no collective (world size,
-the family's plans, head/width divisibility, the VAE module), then builds the
+the family's plans, head/width divisibility, the VAE), then builds the
 device mesh. The returned :class:`ParallelRuntime` applies the strategies in
 the order ``accelerate()`` needs: :meth:`~ParallelRuntime.shard_weights`
 (tensor parallel, before quantization) and :meth:`~ParallelRuntime.install`
@@ -11,8 +11,6 @@ does both for a pipeline used without ``accelerate()``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +19,10 @@ from torch import nn
 from omni_diffusion.adapters import ModelAdapter, adapter_for, adapter_for_transformer
 from omni_diffusion.parallel.config import ParallelConfig, ParallelMesh, build_mesh
 
-VAE_MODULE = "omni_diffusion.vae_parallel"
-
 
 def check(pipe: Any, transformers: dict[str, nn.Module], adapter: ModelAdapter,
           config: ParallelConfig, world_size: int | None = None) -> None:
-    """Raise ``ValueError`` / ``ImportError`` for a config this pipeline cannot take (no collective)."""
+    """Raise ``ValueError`` for a config this pipeline cannot take (no collective)."""
     from omni_diffusion.parallel.cfg_parallel import check_cfg_parallel
     from omni_diffusion.parallel.tensor_parallel import plan_tensor_parallel
 
@@ -44,9 +40,6 @@ def check(pipe: Any, transformers: dict[str, nn.Module], adapter: ModelAdapter,
     if config.vae > 1:
         if getattr(pipe, "vae", None) is None:
             raise ValueError(f"ParallelConfig.vae={config.vae}: {type(pipe).__name__} has no vae")
-        if importlib.util.find_spec(VAE_MODULE) is None:
-            raise ImportError(f"ParallelConfig.vae={config.vae} needs {VAE_MODULE} "
-                              "(parallelize_vae), which is not installed")
 
 
 class ParallelRuntime:
@@ -74,7 +67,9 @@ class ParallelRuntime:
         degree 1 (benchmarks of its overhead).
         """
         from omni_diffusion.parallel.cfg_parallel import enable_cfg_parallel
-        from omni_diffusion.parallel.usp import SequenceGroups, enable_sequence_parallel
+        from omni_diffusion.parallel.sequence_attention import SequenceGroups
+        from omni_diffusion.parallel.usp import enable_sequence_parallel
+        from omni_diffusion.vae_parallel import parallelize_vae
 
         undos = []
         try:
@@ -88,9 +83,7 @@ class ParallelRuntime:
                                                  self.mesh.group("cfg"), self.mesh.rank("cfg"),
                                                  self.config.cfg))
             if self.config.vae > 1:
-                vae_parallel = importlib.import_module(VAE_MODULE)
-                result = vae_parallel.parallelize_vae(self.pipe.vae, self.mesh.vae_group,
-                                                      self.config.vae_mode)
+                result = parallelize_vae(self.pipe.vae, self.mesh.vae_group, self.config.vae_mode)
                 if callable(result):
                     undos.append(result)
         except BaseException:

@@ -69,7 +69,7 @@ def all_gather_uneven(tensor: torch.Tensor, sizes: Sequence[int], dim: int, grou
         pad_shape[dim] = biggest - tensor.shape[dim]
         tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
     moved = tensor.movedim(dim, 0).contiguous()
-    # all_gather_tensor: all_gather_single is newer than torch 2.11 (an H200 run with it failed)
+    # all_gather_tensor, not all_gather_single: the latter is missing from torch 2.11 and older
     gathered = _wait(funcol.all_gather_tensor(moved, 0, group))  # [world*biggest, ...]
     parts = [gathered[i * biggest: i * biggest + sizes[i]] for i in range(world)]
     return torch.cat(parts, dim=0).movedim(0, dim)

@@ -23,13 +23,11 @@ from typing import Any
 
 import torch
 
+from omni_diffusion._fields import known_fields, not_allowed
+
 VAE_MODES = ("tile", "spatial", "auto")
 #: mesh dimension names, outermost first
 MESH_DIMS = ("cfg", "ring", "ulysses", "tp")
-
-
-def _bad(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"ParallelConfig.{field}: {value!r} is not allowed; allowed: {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +63,11 @@ class ParallelConfig:
         for field in ("cfg", "ulysses", "ring", "tp", "vae"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _bad(field, value, "an integer >= 1")
+                raise not_allowed("ParallelConfig", field, value, "an integer >= 1")
         if self.cfg > 2:
-            raise _bad("cfg", self.cfg, "1 or 2 (one rank per guidance branch)")
+            raise not_allowed("ParallelConfig", "cfg", self.cfg, "1 or 2 (one rank per guidance branch)")
         if self.vae_mode not in VAE_MODES:
-            raise _bad("vae_mode", self.vae_mode, ", ".join(map(repr, VAE_MODES)))
+            raise not_allowed("ParallelConfig", "vae_mode", self.vae_mode, ", ".join(map(repr, VAE_MODES)))
 
     # ------------------------------------------------------------------ sizes
 
@@ -96,17 +94,13 @@ class ParallelConfig:
                 f"world size is {world_size}"
             )
         if world_size % self.vae:
-            raise _bad("vae", self.vae, f"a divisor of the world size {world_size}")
+            raise not_allowed("ParallelConfig", "vae", self.vae, f"a divisor of the world size {world_size}")
 
     @classmethod
     def from_dict(cls, data: Any) -> ParallelConfig:
         if not isinstance(data, dict):
             raise ValueError(f"ParallelConfig.from_dict needs a mapping, got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ValueError(f"ParallelConfig: unknown field(s) {unknown}; fields: {', '.join(names)}")
-        return cls(**data)
+        return cls(**known_fields(cls, data))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -92,7 +92,7 @@ class ShardContext:
         """A fresh contiguous ``shape`` buffer for a convolution's pre-padded input.
 
         Not persistent, by measurement: a buffer kept across layers adds its size to every
-        other point of the decode (a persistent buffer per input shape held ~70% more than
+        other point of the decode (a persistent buffer per input shape held far more than
         diffusers' peak on a Wan decode; one shared buffer still added to the peak of the RMS
         norms' temporaries), whereas a buffer freed when its convolution returns costs one
         padded input at a time, less than diffusers' ``cat`` + ``F.pad``. The caching allocator

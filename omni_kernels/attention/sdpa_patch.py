@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from omni_kernels.attention import registry
+from omni_kernels.attention import api, registry
 
 logger = logging.getLogger("omni_kernels.attention")
 
@@ -105,7 +105,7 @@ class SdpaPatch:
             if is_causal:
                 return self._fallback("attn_mask together with is_causal", args, kwargs)
         try:
-            spec, key_lengths, mask = registry._plan(
+            spec, key_lengths, mask = api._plan(
                 query, key, value, self.backend, "bhsd", bool(is_causal), None, attn_mask,
                 False, self.allow_lossy,
             )
@@ -114,7 +114,7 @@ class SdpaPatch:
         if scale is None:
             scale = query.shape[-1] ** -0.5
         self.routed[spec.name] += 1
-        return registry.run_backend(
+        return api.run_backend(
             spec, query, key, value, layout="bhsd", causal=bool(is_causal), scale=float(scale),
             key_lengths=key_lengths, key_padding_mask=mask, return_lse=False,
         )
@@ -137,7 +137,6 @@ def patch_sdpa(
         the :class:`SdpaPatch` (``.routed``, ``.fallbacks`` counters).
     """
     if backend is not None:
-        registry._ensure_builtin_backends()
         backend = registry._normalize_name(backend, "patch_sdpa()")
     with _LOCK:
         original = F.scaled_dot_product_attention

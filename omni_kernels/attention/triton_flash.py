@@ -386,11 +386,8 @@ def default_config(
 ) -> AttentionConfig:
     """The fixed (untimed) config for a head dim.
 
-    Hopper (sm_90) values are the winners of bench/attention_tune.py on an H200
-    (triton 3.6, bf16): D=128 ``M128xN128 w8 s3 +tma`` (Flux 478, Wan 480p 518
-    TFLOP/s; the pointer path with the same blocks, used where TMA does not
-    apply, 466/506); D=64 ``M128xN64 w8 s3`` (SD3.5 391-395 TFLOP/s, cuDNN
-    386-390); D=256 ``M128xN32 w8 s3`` (1x16x4096x256: 446 TFLOP/s).
+    Hopper (sm_90) values are the winners of bench/attention_tune.py: D=128
+    ``M128xN128 w8 s3 +tma``, D=64 ``M128xN64 w8 s3``, D=256 ``M128xN32 w8 s3``.
     ``use_tma`` silently falls back to plain loads when a tensor's strides or
     alignment do not allow a TMA descriptor. Other GPUs get conservative
     configs that fit ~100 KB of shared memory.

@@ -24,9 +24,8 @@ from omni_kernels.qk_norm_rope.reference import qk_rmsnorm_rope_reference
 logger = logging.getLogger(__name__)
 
 QK_NORM_ROPE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# Fastest first, per norm mode; measured on an H200 (bench/results/qk_norm_rope_nvidia-h200_*.md):
-# per-head norm (Flux 1024^2): CUDA 37.9 us vs Triton 58.2 us per eager call (same GPU time,
-# less host overhead); norm across heads (Wan 720p): Triton 839 us vs CUDA 1656 us.
+# Fastest first, per norm mode (bench/results/INDEX.md): per-head norm, CUDA (same GPU time as
+# Triton, less host overhead); norm across heads, Triton.
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _AUTO_ORDER_ACROSS_HEADS = ("triton", "cuda", "torch")
 _CUDA_HEAD_DIMS = (64, 128, 256)

@@ -310,14 +310,9 @@ def _head_block(heads: int, block_d: int) -> int:
 def _num_warps(block_h: int, block_d: int) -> int:
     """About 32 tile values per thread (four 16-byte vectors of fp16/bf16), 1 to 8 warps.
 
-    Measured on an H200 (bf16, median of do_bench; the best of BLOCK_H in 1..64
-    x 1..16 warps): Flux 24x128 per-head was fastest at 8 heads / 1 warp
-    (36.7 us, 88% of a device copy of the same bytes) against 59.5 us at 4
-    warps; Wan 40x128 across heads at 16 heads / 2 warps (821 us, 91% of copy);
-    SD3.5 38x64 at 8 heads / 1 warp. More warps per program lowered bandwidth:
-    the work per token is small, and many small programs keep more loads in flight.
-    With these choices a CUDA-graphed Flux call took 32.8 us (3.6 TB/s) and Wan
-    819 us (3.9 TB/s) in bench/qk_norm_rope.py.
+    The best of a BLOCK_H x warps sweep at Flux, Wan and SD3.5 shapes (about 90% of a device
+    copy's bandwidth). More warps per program lowered bandwidth: the work per token is small,
+    and many small programs keep more loads in flight.
     """
     return max(1, min(8, (block_h * block_d) // 1024))
 
@@ -325,7 +320,7 @@ def _num_warps(block_h: int, block_d: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _launch_config(heads_q: int, heads_k: int, head_dim: int) -> tuple[int, int, int, int]:
     """``(BLOCK_D, BLOCK_HQ, BLOCK_HK, num_warps)``, memoized: the launch path is host-bound
-    for image-sized inputs (a Flux call is ~35 us of GPU time)."""
+    for image-sized inputs."""
     block_d = _next_power_of_2(head_dim)
     block_hq = _head_block(heads_q, block_d)
     block_hk = _head_block(heads_k, block_d)

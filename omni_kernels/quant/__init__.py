@@ -9,13 +9,13 @@
   the GELU applied in the quantization pass (Triton, :mod:`.activated_triton_kernel`);
   with ``prefix=``, of ``cat(prefix, GELU(x))`` without writing the ``cat``.
 * :func:`quantize_weight`: per-output-channel weight quantization (once, at load time).
-* :func:`scaled_mm` (W8A8) and :func:`weight_only_mm`: the GEMMs, backends
+* :func:`scaled_mm` (W8A8) and :func:`weight_only_mm` (:mod:`.gemm`): the GEMMs, backends
   ``"aten"`` (``torch._scaled_mm`` / ``torch._int_mm`` / ``F.linear``),
   ``"cublaslt"`` (FP8 W8A8: omni's cuBLASLt op, one cached and tuned plan per problem;
   :func:`fp8_gemm_plans` lists them), ``"triton"`` (:mod:`.triton_gemm`, dequantization fused in the epilogue),
   ``"torch"`` (float32 reference); weight-only also ``"triton_gemv"``
   (:mod:`.triton_gemv`, for ``M <= 16`` rows: :data:`WEIGHT_ONLY_BACKENDS`).
-* :class:`QuantizedLinear`: the ``nn.Linear`` replacement built on them
+* :class:`QuantizedLinear` (:mod:`.linear`): the ``nn.Linear`` replacement built on them
   (:meth:`QuantizedLinear.forward_concat`: the layer on ``cat(head, tail)``); its
   ``activation_backend="auto"`` quantizes with the kernels in eager mode and with
   plain torch ops under ``torch.compile`` (:func:`resolve_activation_backend`).
@@ -29,20 +29,18 @@ from omni_kernels.quant.dispatch import (
     quantize_per_token,
     supported_backends,
 )
+from omni_kernels.quant.gemm import FAST_ACCUM_MAX_K, quantize_weight, resolve_fast_accum, scaled_mm, weight_only_mm
+from omni_kernels.quant.gemm_backends import GEMV_MAX_M, LINEAR_BACKENDS, SCALED_MM_ALIGNMENT, WEIGHT_ONLY_BACKENDS
+from omni_kernels.quant.gemm_ops import fp8_gemm_plans
 from omni_kernels.quant.linear import (
-    LINEAR_BACKENDS,
-    QUANT_METHODS,
-    SCALED_MM_ALIGNMENT,
-    WEIGHT_ONLY_BACKENDS,
+    ACTIVATION_BACKENDS,
+    DEFAULT_SPLIT_K,
     QuantizedLinear,
-    fp8_gemm_plans,
-    quantize_weight,
+    check_split_k,
     quantized_linear,
     resolve_activation_backend,
-    resolve_fast_accum,
-    scaled_mm,
-    weight_only_mm,
 )
+from omni_kernels.quant.methods import METHOD_DTYPES, QUANT_METHODS
 from omni_kernels.quant.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -57,6 +55,12 @@ from omni_kernels.quant.reference import (
 
 __all__ = [
     "ACTIVATED_QUANTIZE_BACKENDS",
+    "ACTIVATION_BACKENDS",
+    "DEFAULT_SPLIT_K",
+    "FAST_ACCUM_MAX_K",
+    "GEMV_MAX_M",
+    "METHOD_DTYPES",
+    "check_split_k",
     "INPUT_ACTIVATIONS",
     "quantize_activated_per_token",
     "quantize_activated_reference",

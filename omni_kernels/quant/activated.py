@@ -18,9 +18,7 @@ only the 8-bit input and its scales are written. Backends:
   (48 KB) are staged in shared memory with asynchronous copies and the GELU is evaluated once
   a value (the row's maximum comes from its largest input), so many rows are in flight a SM
   (``csrc/quant/quant_staged_kernel.cuh``); wider rows take a kernel that holds the row in
-  registers. On the H200 (bench/results/quant_activation_tune-staged_*): 58.8 us against the
-  Triton kernel's 105.2 at Flux's single blocks' 4608 x (3072 + 12288), 46.8 vs 69.9 at its
-  4096 x 12288 MLP down input, 333 vs 505 at Wan2.1-14B 480p's 32760 x 13824. ``"auto"``
+  registers. Faster than the Triton kernel at Flux's and Wan's widths; ``"auto"``
   takes it first. Needs the compiled extension, float16/bfloat16 input, widths that are
   multiples of 8 (at most 32768 in all) and 16-byte aligned rows.
 * ``"torch"``: the float32 reference (:func:`~omni_kernels.quant.reference.quantize_activated_reference`),
@@ -54,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 ACTIVATED_QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
 # CUDA first, also under torch.compile (an opaque op there, which costs no GPU time): its staged
-# kernel measured 1.5-1.8x the Triton kernel's speed at Flux's and Wan's widths (numbers above).
+# kernel is the faster one at Flux's and Wan's widths.
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _logged_auto_choices: set[tuple] = set()
 

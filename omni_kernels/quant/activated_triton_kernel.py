@@ -7,8 +7,7 @@ serves the linear layers that read a GELU's output: a DiT's MLP down projection
 ``proj_out`` (reads ``cat(attention output, GELU(proj_mlp(x)))``: the GELU
 applies from column ``activation_from`` on). Unfused, the GELU writes its
 16-bit output and the quantization reads it back; under ``torch.compile``
-Inductor splits a wide row's GELU + absolute maximum + cast into two passes
-(an H200 profile of Flux: 10.8 ms a step for the single blocks' inputs).
+Inductor splits a wide row's GELU + absolute maximum + cast into two passes.
 
 One program per row. A row of up to ``MAX_TILE`` elements (every DiT MLP
 width: Flux 15360, Wan 13824) is loaded once into registers: GELU, the absolute
@@ -44,7 +43,7 @@ def _gelu_tanh_from(x, cols, activation_from):
 
     ``0.5 x (1 + tanh(u))`` with ``u = sqrt(2/pi) (x + 0.044715 x^3)`` is ``x / (1 + exp(-2u))``:
     one exp and one division a value, few operations (the kernel was bound by the GELU's
-    arithmetic on the H200, not by memory), and accurate to a few ulp also where the GELU is
+    arithmetic, not by memory), and accurate to a few ulp also where the GELU is
     tiny (large negative x: the division, not a difference near 1, makes the small value)."""
     # -1.5957691216057308 = -2 sqrt(2 / pi): the exponent is -2u.
     y = x / (1.0 + tl.exp(x * (1.0 + 0.044715 * x * x) * -1.5957691216057308))

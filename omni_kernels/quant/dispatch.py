@@ -33,19 +33,14 @@ from omni_kernels.quant.reference import (
 logger = logging.getLogger(__name__)
 
 QUANTIZE_BACKENDS = ("auto", "cuda", "triton", "torch")
-# Norm- or modulation-fused rows (the CUDA op's register kernel), measured on an H200
-# (bench/results/linear_nvidia-h200_20261129.md, bench/results/quant_per_token_nvidia-h200_20261130-rows.md):
-# CUDA first for short inputs in eager mode (there the Triton op's Python dispatch costs more
-# than its kernel), Triton from _TRITON_FIRST_ROWS rows (Wan 720p's 75600: 312 / 716 us vs
-# CUDA's 355 / 939 at K 5120 / 13824; the crossover between the measured sizes is not measured)
-# or _TRITON_FIRST_ELEMENTS values, and under torch.compile (Inductor launches the triton_op
-# from its own code; 29.0 vs 40.3 us with the LayerNorm + adaLN at Flux's 4608 x 3072).
+# Norm- or modulation-fused rows (the CUDA op's register kernel): CUDA first for short inputs
+# in eager mode (there the Triton op's Python dispatch costs more than its kernel), Triton from
+# _TRITON_FIRST_ROWS rows or _TRITON_FIRST_ELEMENTS values (the crossover lies between the
+# measured sizes), and under torch.compile (Inductor launches the triton_op from its own code).
 # Plain rows (no norm, no modulation) of at most CUDA_STAGED_MAX_ROW values go to the CUDA
-# op's shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh): CUDA first everywhere.
-# It matched the Triton kernel's launch at Flux's 4608 rows (16.5 / 47.2 / 56.5 us vs 16.3 /
-# 47.7 / 56.7 at K 3072 / 12288 / 15360, bench/results/quant_per_token-staged_*) and beat it at
-# Wan 720p's 75600 x 5120 (272 vs 313 us; 723 vs 715 at 13824, bench run of fb63734), with a
-# C++ op's dispatch in eager mode instead of a Triton launch's Python.
+# op's shared-memory-staged kernel (csrc/quant/quant_staged_kernel.cuh): CUDA first everywhere
+# (as fast as the Triton kernel or faster, with a C++ op's dispatch instead of a Triton
+# launch's Python). Measurements: bench/results/INDEX.md.
 _AUTO_ORDER = ("cuda", "triton", "torch")
 _AUTO_ORDER_MANY_ROWS = ("triton", "cuda", "torch")
 _TRITON_FIRST_ROWS = 32768

@@ -1,63 +1,15 @@
-"""Quantized linear layers: FP8/INT8 W8A8 and weight-only, with backend choice.
+"""Quantized linear layers: :func:`quantized_linear` and the module :class:`QuantizedLinear`.
 
-Weights are quantized once, per output channel (:func:`quantize_weight`); a
-W8A8 layer quantizes its input per token on every call
-(:func:`omni_kernels.quant.quantize_per_token`) and multiplies the two 8-bit
-operands; a weight-only layer multiplies its input, as it is, with the
-dequantized weight. The GEMM backends:
+A W8A8 layer (``"fp8"``, ``"int8"``) quantizes its input per token on every call
+(:func:`omni_kernels.quant.quantize_per_token`, or fused with a GELU:
+:func:`omni_kernels.quant.quantize_activated_per_token`) and multiplies the two 8-bit
+operands (:func:`omni_kernels.quant.gemm.scaled_mm`); a weight-only layer multiplies its
+input as it is with the 8-bit weight (:func:`omni_kernels.quant.gemm.weight_only_mm`).
 
-* ``"aten"``: torch's own kernels. FP8: ``torch._scaled_mm`` with row-wise
-  scales (``scale_a`` ``[M, 1]``, ``scale_b`` ``[1, N]`` float32), bias and
-  bfloat16 output fused (on CUDA it needs compute capability >= 8.9, a
-  bfloat16 output, ``K`` and ``N`` multiples of 16). INT8:
-  ``torch._int_mm`` (int32 result; on CUDA ``M > 16``, ``K`` and ``N``
-  multiples of 8) and the dequantization, bias and cast as separate torch
-  ops. Weight-only: the weight dequantized to the activation dtype
-  (``w_q * w_scale`` rounded once) and ``F.linear``.
-* ``"cublaslt"`` (FP8 W8A8 only, CUDA): omni's op ``omni_kernels::fp8_gemm_cublaslt``, the
-  same cuBLASLt FP8 GEMM with row-wise (outer-vector) scales that ``torch._scaled_mm`` runs on
-  Hopper, bias and output cast fused, but with one cached plan per problem (descriptors built
-  once: less host time a call) whose algorithm the first call times among cuBLASLt's heuristic
-  candidates and the tile/stages/cluster/split-K configurations cuBLASLt accepts, within ~0.25 s
-  of GPU time (the stream is synchronized once per new shape; inside CUDA-graph capture the
-  heuristic's first choice runs untimed). :func:`fp8_gemm_plans` lists the plans. On the H200
-  the GPU time equals ``"aten"``'s at the large Flux/Wan shapes (the same kernel: the tuning
-  kept cuBLASLt's first choice there) and the tuning won 5-25% at small M. ``"auto"`` takes it on
-  compute capability 9.0 (where it was measured); if it raises there, ``"auto"`` logs the error
-  and keeps to ``"aten"`` on that device for the rest of the process.
-* ``"triton"``: omni's Triton GEMM (:mod:`.triton_gemm`), dequantization,
-  bias and cast fused in its epilogue; takes any shape.
-* ``"triton_gemv"`` (weight-only only, :data:`WEIGHT_ONLY_BACKENDS`): omni's Triton
-  GEMV (:mod:`.triton_gemv`) for ``M <= 16`` rows (an adaLN modulation's one row per
-  sample), which streams the 8-bit weight once at read bandwidth.
-* ``"torch"``: the float32 reference (:mod:`.reference`), for tests; runs anywhere.
-
-``"auto"`` order (``bench/linear.py`` measures every pair): FP8 W8A8: cublaslt (sm90 only),
-aten, triton, torch (torch's row-wise FP8 GEMM is cuBLASLt's on CUDA >= 12.9, CUTLASS
-before). INT8 W8A8: triton, aten, torch (``_int_mm`` writes an int32 ``[M, N]`` that the
-separate epilogue reads again).
-Weight-only: triton_gemv first for ``M <= 16`` (on the H200 the fastest weight-only
-path in 5 of the 6 Flux modulation cases of ``bench/linear.py --shapes flux-adaln``,
-e.g. 66 vs 130 us (Triton GEMM) and 346 us (aten) for FP8 at M=1, 3072 -> 18432, yet
-slower than bf16 cuBLAS there, 42 us: bench/results/linear-flux-adaln_nvidia-h200_20261130.md),
-triton first for ``M <= 64``
-(reads 1 byte a weight), aten first above (cuBLAS at bfloat16 speed after one
-dequantization pass). On CPU: aten, then torch (the Triton interpreter is for
-tests; ask for it with ``backend="triton"`` or ``"triton_gemv"``).
-
-Every traced Triton GEMM launch is the custom op ``torch.ops.omni_kernels.scaled_mm_triton``
-and every traced GEMV the ``triton_op`` ``torch.ops.omni_kernels.weight_only_gemv_triton``
-(both with fake implementations), and the aten ops have their own, so
-``torch.compile(fullgraph=True)`` traces :class:`QuantizedLinear`; eager GEMM and GEMV calls on
-plain tensors run the op's body (the launcher) without its dispatch
-(:func:`omni_kernels._triton.eager_launch_allowed`). Activation
-quantization with ``activation_backend="auto"`` is the custom CUDA/Triton op in
-eager mode and plain torch ops under ``torch.compile``, so that Inductor fuses it
-with whatever produces the layer's input (:func:`resolve_activation_backend`);
-``"torch"`` asks for the torch ops in both modes, ``"cuda"``/``"triton"`` for the
-kernels in both. ``"split"`` (opt-in, not yet timed) chooses per layer under
-``torch.compile`` by the input width: torch ops for ``K <= split_k``, the kernel
-op above (see :func:`resolve_activation_backend`).
+``activation_backend="auto"`` quantizes with the custom kernel op in eager mode and with
+plain torch ops under ``torch.compile``, so Inductor fuses the quantization with whatever
+produces the layer's input; ``"split"`` (opt-in) chooses per layer under ``torch.compile``
+by the input width (:func:`resolve_activation_backend`).
 """
 
 from __future__ import annotations
@@ -65,479 +17,39 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from omni_kernels._triton import eager_launch_allowed, launch_eagerly, triton_interpreter_enabled, triton_unavailable_reason
-from omni_kernels._extension import has_compiled_extension
-from omni_kernels._device import cuda_index
+from omni_kernels._triton import eager_launch_allowed
+from omni_kernels.quant.activated import check_prefix, quantize_activated_per_token
 from omni_kernels.quant.dispatch import (
     CUDA_STAGED_MAX_ROW,
     QUANTIZE_BACKENDS,
-    cached_device_capability,
-    device_capability,
     fp8_unsupported_reason,
     quantize_per_token,
-    resolve_quant_dtype,
 )
-from omni_kernels.quant.activated import check_prefix, quantize_activated_per_token
-from omni_kernels.quant.reference import (
-    FP8_DTYPE,
-    INPUT_ACTIVATIONS,
-    INT8_DTYPE,
-    quantize_weight_reference,
-    scaled_linear_reference,
-    weight_only_linear_reference,
+from omni_kernels.quant.gemm import quantize_weight, resolve_fast_accum, scaled_mm, weight_only_mm
+from omni_kernels.quant.gemm_backends import (
+    LINEAR_BACKENDS,
+    SCALED_MM_ALIGNMENT,
+    WEIGHT_ONLY_BACKENDS,
+    _cublaslt_device_reason,
+    _cublaslt_failed,
 )
+from omni_kernels.quant.gemm_ops import _HAS_FUSED_FP8_OP
+from omni_kernels.quant.methods import METHOD_DTYPES, QUANT_METHODS
+from omni_kernels.quant.reference import FP8_DTYPE, INPUT_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "aten", "cublaslt", "triton", "torch")
-#: ``backend`` values of :func:`weight_only_mm` (and weight-only layers): :data:`LINEAR_BACKENDS`
-#: but the FP8 W8A8 GEMM ``"cublaslt"``, and the small-M GEMV.
-WEIGHT_ONLY_BACKENDS = (*(b for b in LINEAR_BACKENDS if b != "cublaslt"), "triton_gemv")
 #: ``activation_backend`` values of a W8A8 layer: :data:`QUANTIZE_BACKENDS` and ``"split"``.
 ACTIVATION_BACKENDS = (*QUANTIZE_BACKENDS, "split")
-# An H200 profile of a compiled Flux step (bench/results/pipeline-profile-flux_nvidia-h200_20261129.md):
-# Inductor fuses the quantization of K=3072 inputs into one pass with their LayerNorm/modulation,
-# but splits the K=15360 proj_out input (cat + GELU) into two passes (10.8 ms a step vs 4.5 ms
-# for cat + GELU alone). The threshold between is a guess; the "split" variant of
-# bench/pipeline.py is what times it.
+# Inductor fuses the quantization of narrow inputs (K=3072) with their LayerNorm/modulation but
+# splits a wide cat + GELU input (K=15360) into two passes; the threshold between is a guess
+# (bench/pipeline.py's "split" variant times it).
 DEFAULT_SPLIT_K = 8192
-QUANT_METHODS = ("fp8", "int8", "fp8_weight_only", "int8_weight_only")
-_METHOD_DTYPES = {
-    "fp8": FP8_DTYPE,
-    "int8": INT8_DTYPE,
-    "fp8_weight_only": FP8_DTYPE,
-    "int8_weight_only": INT8_DTYPE,
-}
-# Weight-only layers with at most this many rows take the Triton GEMM first (memory-bound).
-_WEIGHT_ONLY_SMALL_M = 64
-# ... and with at most this many the Triton GEMV (omni_kernels.quant.triton_gemv.GEMV_MAX_M,
-# not imported from there: that module imports triton).
-GEMV_MAX_M = 16
-_GEMV_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# torch._scaled_mm on CUDA: K and N multiples of 16; torch._int_mm: M > 16, K and N multiples of 8.
-SCALED_MM_ALIGNMENT = 16
-_INT_MM_ALIGNMENT = 8
-_INT_MM_MIN_M = 17
 
+# ('fused_fp8', gemm) pairs already logged
 _logged_auto_choices: set[tuple] = set()
-
-
-# --------------------------------------------------------------------------- cuBLASLt op
-
-
-# (An extension built before the op existed lacks it; the "cublaslt" backend then names why.)
-_HAS_CUBLASLT_OP = has_compiled_extension() and hasattr(torch.ops.omni_kernels, "fp8_gemm_cublaslt")
-# The compute capabilities where "auto" puts cuBLASLt first: where it was measured against
-# torch._scaled_mm (bench/linear.py on the H200). Elsewhere "cublaslt" must be asked for.
-_CUBLASLT_AUTO_CAPABILITIES = ((9, 0),)
-if _HAS_CUBLASLT_OP:
-    @torch.library.register_fake("omni_kernels::fp8_gemm_cublaslt")
-    def _(a, a_scale, w, w_scale, bias, out_dtype, use_fast_accum, tune):
-        return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
-
-
-def fp8_gemm_plans() -> list[str]:
-    """One line per cached plan of the ``"cublaslt"`` FP8 GEMM in this process: the problem
-    (device, M, N, K, output dtype, bias, accumulation), cuBLASLt's algorithm (id, tile, stages,
-    split-K, cluster) and how it was chosen (tuned: its rank among the timed candidates, its
-    time and the heuristic's first choice's). Empty without the compiled op."""
-    return list(torch.ops.omni_kernels.fp8_gemm_cublaslt_plans()) if _HAS_CUBLASLT_OP else []
-
-
-def _cublaslt_problem_reason(device: torch.device, k: int, n: int, out_dtype, auto: bool) -> str | None:
-    """Why omni's cuBLASLt FP8 GEMM cannot take a ``[M, K] x [N, K]^T`` problem on ``device``
-    (``auto``: or why ``backend="auto"`` passes it over), else ``None``."""
-    if device.type != "cuda":
-        return f"omni's cuBLASLt GEMM runs on CUDA tensors; got {device}"
-    reason = fp8_unsupported_reason(device)
-    if reason is not None:
-        return reason
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        return f"omni's cuBLASLt GEMM writes bfloat16 or float16; got out_dtype {out_dtype}"
-    if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
-        return f"cuBLASLt's FP8 GEMM needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
-    return _cublaslt_device_reason(device, auto)
-
-
-def _cublaslt_device_reason(device: torch.device, auto: bool) -> str | None:
-    """The part of :func:`_cublaslt_problem_reason` that depends on the build and the device only
-    (the op compiled; for ``auto``: the capability, and no earlier failure there)."""
-    if not _HAS_CUBLASLT_OP:
-        return ("omni_kernels._C has no fp8_gemm_cublaslt op (the compiled extension is missing "
-                "or older than the op: build it, e.g. `make build`)")
-    if not auto:
-        return None
-    if cuda_index(device) in _cublaslt_failed_devices:
-        return "it failed on this device earlier in this process (logged then); 'auto' keeps to aten"
-    # While tracing, the capability an eager call cached (omni_diffusion.quantize checks the GPU
-    # eagerly); unknown, aten is kept, as in eager mode on any GPU other than these.
-    capability = cached_device_capability(device) if torch.compiler.is_compiling() else device_capability(device)
-    if capability not in _CUBLASLT_AUTO_CAPABILITIES:
-        allowed = ", ".join(f"{major}.{minor}" for major, minor in _CUBLASLT_AUTO_CAPABILITIES)
-        seen = f"{capability[0]}.{capability[1]}" if capability else "not known while tracing"
-        return (f"'auto' takes it on compute capability {allowed} only (measured there; this GPU: "
-                f"{seen}); ask for backend='cublaslt' elsewhere")
-    return None
-
-
-# Devices on which the cuBLASLt GEMM raised under backend="auto": auto then keeps to aten there.
-_cublaslt_failed_devices: set[int] = set()
-
-
-def _cublaslt_failed(device: torch.device, error: RuntimeError) -> None:
-    """Record (and log once) that the cuBLASLt GEMM failed on ``device`` under ``"auto"``."""
-    index = cuda_index(device)
-    if index not in _cublaslt_failed_devices:
-        _cublaslt_failed_devices.add(index)
-        logger.warning("omni's cuBLASLt FP8 GEMM failed on %s under backend='auto' (%s); 'auto' uses "
-                       "torch._scaled_mm there from now on", device, str(error).splitlines()[0])
-
-
-def _cublaslt_reason(x_q, w_q, out_dtype, *, auto: bool = False) -> str | None:
-    if x_q.dtype != FP8_DTYPE or w_q.dtype != FP8_DTYPE:
-        return f"omni's cuBLASLt GEMM is FP8 only; got {x_q.dtype} and {w_q.dtype} operands"
-    return _cublaslt_problem_reason(x_q.device, x_q.shape[1], w_q.shape[0], out_dtype, auto)
-
-
-# --------------------------------------------------------------------------- Triton op
-
-
-@torch.library.custom_op("omni_kernels::scaled_mm_triton", mutates_args=(), device_types=None)
-def _scaled_mm_triton_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    b_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    fast_accum: bool = False,
-) -> torch.Tensor:
-    from omni_kernels.quant.triton_gemm import launch_scaled_gemm_triton
-
-    return launch_scaled_gemm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum)
-
-
-@_scaled_mm_triton_op.register_fake
-def _(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
-
-
-def _scaled_mm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum=False) -> torch.Tensor:
-    """The op in traced code; in eager mode on plain tensors the launcher itself (the op would add
-    only its dispatch, host time the H200's eager INT8 rows are bound by)."""
-    if eager_launch_allowed(a, b, a_scale, b_scale, bias):
-        from omni_kernels.quant.triton_gemm import launch_scaled_gemm_triton
-
-        return launch_scaled_gemm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum)
-    return torch.ops.omni_kernels.scaled_mm_triton(a, b, a_scale, b_scale, bias, out_dtype, fast_accum)
-
-
-# A triton_op lets Inductor launch the GEMV kernels itself; the Triton interpreter's kernels
-# cannot be traced into (they read data pointers), so under it (CPU tests) the op is opaque.
-_register_triton_op = torch.library.custom_op if triton_interpreter_enabled() else torch.library.triton_op
-
-
-@_register_triton_op("omni_kernels::weight_only_gemv_triton", mutates_args=())
-def _weight_only_gemv_triton_op(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    from omni_kernels.quant.triton_gemv import launch_weight_only_gemv
-
-    return launch_weight_only_gemv(x, w_q, w_scale, bias)
-
-
-@_weight_only_gemv_triton_op.register_fake
-def _(x, w_q, w_scale, bias):
-    # Explicit, so shape propagation never runs the launcher (fake tensors have no data).
-    return x.new_empty((x.shape[0], w_q.shape[0]))
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def quantize_weight(weight: torch.Tensor, dtype="fp8") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel quantization of ``weight`` ``[N, K]`` (once, at load time).
-
-    Returns ``(w_q [N, K] contiguous, w_scale [N] float32)`` with
-    ``weight ~= w_q * w_scale[:, None]``; runs on the weight's device.
-    """
-    qdtype = resolve_quant_dtype(dtype)
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight must be a 2-D float tensor [N, K]; got {weight.dtype} {tuple(weight.shape)}")
-    w_q, w_scale = quantize_weight_reference(weight.detach(), qdtype)
-    return w_q.contiguous(), w_scale.contiguous()
-
-
-# --------------------------------------------------------------------------- eligibility
-
-
-def _aten_w8a8_reason(x_q, w_q, out_dtype) -> str | None:
-    m, k = x_q.shape
-    n = w_q.shape[0]
-    if x_q.dtype == FP8_DTYPE:
-        if x_q.device.type == "cuda":
-            reason = fp8_unsupported_reason(x_q.device)
-            if reason is not None:
-                return reason
-            if out_dtype != torch.bfloat16:
-                return f"torch._scaled_mm with row-wise scales writes bfloat16 only; got out_dtype {out_dtype}"
-            if k % SCALED_MM_ALIGNMENT or n % SCALED_MM_ALIGNMENT:
-                return (
-                    f"torch._scaled_mm needs K and N multiples of {SCALED_MM_ALIGNMENT}; got K={k}, N={n}"
-                )
-        return None
-    if x_q.device.type == "cuda":
-        if m < _INT_MM_MIN_M:
-            return f"torch._int_mm on CUDA needs M > 16; got M={m}"
-        if k % _INT_MM_ALIGNMENT or n % _INT_MM_ALIGNMENT:
-            return f"torch._int_mm on CUDA needs K and N multiples of {_INT_MM_ALIGNMENT}; got K={k}, N={n}"
-    return None
-
-
-def _triton_reason(a, w_q, out_dtype) -> str | None:
-    reason = triton_unavailable_reason(a.device)
-    if reason is not None:
-        return f"the Triton GEMM cannot run: {reason}"
-    if a.device.type == "cpu" and triton_interpreter_enabled():
-        if FP8_DTYPE in (a.dtype, w_q.dtype):
-            return "the Triton interpreter has no float8 (use backend='torch' or 'aten' on CPU)"
-        if torch.bfloat16 in (a.dtype, out_dtype):
-            return "the Triton interpreter's bfloat16 is broken (use float16/float32 on CPU)"
-    if FP8_DTYPE in (a.dtype, w_q.dtype):
-        reason = fp8_unsupported_reason(a.device)
-        if reason is not None:
-            return reason
-    return None
-
-
-def _aten_weight_only_reason(x, w_q) -> str | None:
-    if w_q.dtype == FP8_DTYPE:
-        return fp8_unsupported_reason(x.device)
-    return None
-
-
-def _gemv_reason(x, w_q, bias) -> str | None:
-    """Why the Triton GEMV (:mod:`.triton_gemv`) cannot take these inputs, else ``None``."""
-    m = x.shape[0]
-    if m > GEMV_MAX_M:
-        return f"the GEMV takes M <= {GEMV_MAX_M} rows; got M={m} (the 'triton' or 'aten' GEMM takes any M)"
-    if x.dtype not in _GEMV_X_DTYPES:
-        return f"the GEMV takes x in float16, bfloat16 or float32; got {x.dtype}"
-    if bias is not None and bias.dtype not in (x.dtype, torch.float32):
-        return f"the GEMV takes a bias in x's dtype {x.dtype} or float32; got {bias.dtype}"
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        return f"the Triton GEMV cannot run: {reason}"
-    if x.device.type == "cpu" and triton_interpreter_enabled() and x.dtype == torch.bfloat16:
-        return "the Triton interpreter's bfloat16 is broken (use float16/float32 on CPU)"
-    if w_q.dtype == FP8_DTYPE and x.device.type == "cuda":
-        return fp8_unsupported_reason(x.device)
-    return None
-
-
-def _auto_order(kind: str, device: torch.device, m: int) -> tuple[str, ...]:
-    if device.type != "cuda":
-        return ("aten", "torch")
-    if kind == "fp8":
-        return ("cublaslt", "aten", "triton", "torch")
-    if kind == "int8":
-        return ("triton", "aten", "torch")
-    if m <= GEMV_MAX_M:
-        return ("triton_gemv", "triton", "aten", "torch")
-    return ("triton", "aten", "torch") if m <= _WEIGHT_ONLY_SMALL_M else ("aten", "triton", "torch")
-
-
-def _choose(kind, backend, reason_of, device, m, what, allowed=LINEAR_BACKENDS):
-    """The backend to run: ``backend`` itself (``ValueError`` if it cannot), or the first eligible.
-
-    ``"auto"`` logs its choice (and why faster backends were skipped) once per kind of input."""
-    if backend not in allowed:
-        raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
-    if backend != "auto":
-        reason = reason_of(backend)
-        if reason is not None:
-            raise ValueError(f"{what} backend={backend!r} cannot take these inputs: {reason}")
-        return backend
-    reasons = {}
-    chosen = "torch"
-    for candidate in _auto_order(kind, device, m):
-        reasons[candidate] = reason_of(candidate)
-        if reasons[candidate] is None:
-            chosen = candidate
-            break
-    key = (what, kind, chosen, device.type, m <= GEMV_MAX_M, m <= _WEIGHT_ONLY_SMALL_M)
-    if key not in _logged_auto_choices and not torch.compiler.is_compiling():
-        _logged_auto_choices.add(key)
-        skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
-        logger.info(
-            "%s (%s) backend='auto' chose %r on %s%s", what, kind, chosen, device.type,
-            f" (skipped {skipped})" if skipped else "",
-        )
-    if chosen == "torch" and device.type == "cuda" and reasons:
-        # On a GPU the float32 reference is far too slow to be a silent fallback.
-        raise ValueError(
-            f"{what} ({kind}): no GPU backend can take these inputs: "
-            + "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
-        )
-    return chosen
-
-
-# --------------------------------------------------------------------------- GEMMs
-
-
-# Measured on an H200 (bench/results/linear_nvidia-h200_20261129.md, activations with
-# outlier channels): with fast accumulation the FP8 GEMM's error against the same
-# operands in float32 grew from ~1.6e-2 at K=3072 to 1.2e-1 at K=12288 (Flux's MLP
-# down projection), against ~3e-3 when promoted; the promoted GEMM costs ~8-20%.
-FAST_ACCUM_MAX_K = 8192
-
-
-def float32_shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``t.reshape(shape).float()``, or ``t`` itself in eager mode when it already is that: each
-    no-op reshape or cast is still a dispatched torch call, and an eager W8A8 layer's host time
-    is what bounds it at Flux's shapes on a slow host (bench/linear.py's host us column)."""
-    if t.dtype == torch.float32 and t.shape == shape and not torch.compiler.is_compiling():
-        return t
-    return t.reshape(shape).float()
-
-
-def resolve_fast_accum(fast_accum: bool | str, k: int) -> bool:
-    """``True``/``False`` as given; ``"auto"``: fast accumulation only for ``K <= FAST_ACCUM_MAX_K``."""
-    if fast_accum == "auto":
-        return k <= FAST_ACCUM_MAX_K
-    if not isinstance(fast_accum, bool):
-        raise ValueError(f"fast_accum must be True, False or 'auto'; got {fast_accum!r}")
-    return fast_accum
-
-
-def scaled_mm(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    backend: str = "auto",
-    fast_accum: bool | str = "auto",
-) -> torch.Tensor:
-    """W8A8 GEMM: ``(x_q * x_scale) @ (w_q * w_scale)^T + bias`` as ``[M, N]`` ``out_dtype``.
-
-    ``x_q`` ``[M, K]`` and ``w_q`` ``[N, K]`` both FP8 e4m3 or both INT8, row-major;
-    ``x_scale`` ``[M, 1]`` float32, ``w_scale`` ``[N]`` float32; ``bias`` ``[N]``.
-    ``fast_accum`` (FP8 only): ``True`` lets Hopper's tensor cores accumulate all
-    of K in reduced precision (``torch._scaled_mm``'s ``use_fast_accum``), ``False``
-    promotes to float32 after every MMA, ``"auto"`` is :func:`resolve_fast_accum`.
-    """
-    if x_q.dim() != 2 or w_q.dim() != 2 or x_q.shape[1] != w_q.shape[1]:
-        raise ValueError(f"x_q [M, K] and w_q [N, K] must agree in K; got {tuple(x_q.shape)}, {tuple(w_q.shape)}")
-    if x_q.dtype != w_q.dtype or x_q.dtype not in (FP8_DTYPE, INT8_DTYPE):
-        raise ValueError(f"x_q and w_q must both be float8_e4m3fn or both int8; got {x_q.dtype}, {w_q.dtype}")
-    m, n = x_q.shape[0], w_q.shape[0]
-    if x_scale.numel() != m or w_scale.numel() != n:
-        raise ValueError(
-            f"x_scale must hold M={m} and w_scale N={n} values; got {tuple(x_scale.shape)}, {tuple(w_scale.shape)}"
-        )
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"bias must have N={n} elements; got {tuple(bias.shape)}")
-    kind = "fp8" if x_q.dtype == FP8_DTYPE else "int8"
-    fast_accum = resolve_fast_accum(fast_accum, x_q.shape[1])
-
-    def reason_of(candidate):
-        if candidate == "aten":
-            return _aten_w8a8_reason(x_q, w_q, out_dtype)
-        if candidate == "cublaslt":
-            return _cublaslt_reason(x_q, w_q, out_dtype, auto=backend == "auto")
-        if candidate == "triton":
-            return _triton_reason(x_q, w_q, out_dtype)
-        return None
-
-    chosen = _choose(kind, backend, reason_of, x_q.device, m, "scaled_mm")
-    x_scale = float32_shaped(x_scale, (m, 1))
-    if chosen == "cublaslt":
-        try:
-            return torch.ops.omni_kernels.fp8_gemm_cublaslt(
-                x_q, x_scale, w_q, float32_shaped(w_scale, (n,)),
-                bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
-                out_dtype, fast_accum, True,
-            )
-        except RuntimeError as error:
-            if backend != "auto" or torch.compiler.is_compiling():
-                raise
-            _cublaslt_failed(x_q.device, error)
-            chosen = "aten"
-    if kind == "fp8" and chosen == "aten":
-        return torch._scaled_mm(
-            x_q, w_q.t(), scale_a=x_scale, scale_b=float32_shaped(w_scale, (1, n)),
-            bias=bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype),
-            out_dtype=out_dtype, use_fast_accum=fast_accum,
-        )
-    w_scale = float32_shaped(w_scale, (n,))
-    if chosen == "torch":
-        return scaled_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    if chosen == "triton":
-        return _scaled_mm_triton(x_q, w_q, x_scale, w_scale, bias, out_dtype, fast_accum)
-    acc = torch._int_mm(x_q, w_q.t())
-    out = acc.to(torch.float32) * x_scale * w_scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
-
-
-def weight_only_mm(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Weight-only GEMM: ``x @ (w_q * w_scale)^T + bias`` as ``[M, N]`` in ``x``'s dtype.
-
-    ``x`` ``[M, K]`` float16/bfloat16/float32; ``w_q`` ``[N, K]`` FP8 e4m3 or INT8;
-    ``w_scale`` ``[N]`` float32; ``bias`` ``[N]`` or ``None``. ``backend`` is one of
-    :data:`WEIGHT_ONLY_BACKENDS`; ``"triton_gemv"`` takes ``M <= 16`` rows and a bias in
-    ``x``'s dtype or float32 (``ValueError`` naming what it cannot take).
-    """
-    if x.dim() != 2 or w_q.dim() != 2 or x.shape[1] != w_q.shape[1]:
-        raise ValueError(f"x [M, K] and w_q [N, K] must agree in K; got {tuple(x.shape)}, {tuple(w_q.shape)}")
-    if w_q.dtype not in (FP8_DTYPE, INT8_DTYPE):
-        raise ValueError(f"w_q must be float8_e4m3fn or int8; got {w_q.dtype}")
-    m, n = x.shape[0], w_q.shape[0]
-    if w_scale.numel() != n:
-        raise ValueError(f"w_scale must hold N={n} values; got {tuple(w_scale.shape)}")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"bias must have N={n} elements; got {tuple(bias.shape)}")
-    kind = "fp8_weight_only" if w_q.dtype == FP8_DTYPE else "int8_weight_only"
-
-    def reason_of(candidate):
-        if candidate == "aten":
-            return _aten_weight_only_reason(x, w_q)
-        if candidate == "triton":
-            return _triton_reason(x, w_q, x.dtype)
-        if candidate == "triton_gemv":
-            return _gemv_reason(x, w_q, bias)
-        return None
-
-    chosen = _choose(kind, backend, reason_of, x.device, m, "weight_only_mm", WEIGHT_ONLY_BACKENDS)
-    w_scale = float32_shaped(w_scale, (n,))
-    if chosen == "torch":
-        return weight_only_linear_reference(x, w_q, w_scale, bias)
-    if chosen == "triton":
-        return _scaled_mm_triton(x, w_q, None, w_scale, bias, x.dtype)
-    if chosen == "triton_gemv":
-        bias = bias if bias is None or bias.dim() == 1 else bias.reshape(n)
-        if eager_launch_allowed(x, w_q, w_scale, bias):  # the launcher itself: the op adds only dispatch here
-            from omni_kernels.quant.triton_gemv import launch_weight_only_gemv
-
-            return launch_eagerly(launch_weight_only_gemv, x, w_q, w_scale, bias)
-        return torch.ops.omni_kernels.weight_only_gemv_triton(x, w_q, w_scale, bias)
-    # One pass dequantizes into x's dtype (the scale rounded to it: 2**-9 relative in bfloat16).
-    weight = w_q.to(x.dtype) * w_scale.to(x.dtype)[:, None]
-    return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
 
 
 def check_split_k(split_k, activation_backend: str, owner: str = "split_k") -> int | None:
@@ -690,9 +202,8 @@ def fused_fp8_eager_gemm(
     then the FP8 GEMM, from C++), or ``None`` where it may not. The op runs exactly what the
     two-call path's choices run there (the CUDA op's staged kernel, then the GEMM ``backend``
     resolves to: ``"cublaslt_tuned"`` for ``"cublaslt"``, ``"aten"`` for ``"aten"``), for one
-    dispatched call instead of two with their Python checks. On the H200's host an eager FP8
-    layer at Flux's 4608 x 3072 -> 3072 took 66-86 us of host time against ~80 us of GPU time
-    (bench/results/linear-flux-eager-auto_*): the host bounded it.
+    dispatched call instead of two with their Python checks (an eager FP8 layer at Flux's
+    shapes is bound by host time).
 
     Needs: eager mode without dispatch modes on plain tensors, the compiled extension, CUDA
     bfloat16 ``x2`` with 16-byte aligned rows, ``K <= CUDA_STAGED_MAX_ROW``, ``K`` and ``N``
@@ -725,20 +236,6 @@ def fused_fp8_eager_gemm(
         return "cublaslt_tuned"
     # "cublaslt" asked for and refused: the two-call path raises the reason.
     return "aten" if backend == "auto" else None
-
-
-def _fake_quantized_linear_fp8(x, w_q, w_scale, bias, clamp, use_fast_accum, gemm):
-    return x.new_empty((x.shape[0], w_q.shape[0]))
-
-
-# (An extension built before the op existed, or before its `gemm` argument, serves no call: the
-# two-call path then serves every call.)
-_HAS_FUSED_FP8_OP = (
-    has_compiled_extension() and hasattr(torch.ops.omni_kernels, "quantized_linear_fp8")
-    and [a.name for a in torch.ops.omni_kernels.quantized_linear_fp8.default._schema.arguments][-1] == "gemm"
-)
-if _HAS_FUSED_FP8_OP:
-    torch.library.register_fake("omni_kernels::quantized_linear_fp8")(_fake_quantized_linear_fp8)
 
 
 # --------------------------------------------------------------------------- module
@@ -806,7 +303,7 @@ class QuantizedLinear(nn.Module):
         self.clamp = clamp
         resolve_fast_accum(fast_accum, in_features)  # validates
         self.fast_accum = fast_accum
-        qdtype = _METHOD_DTYPES[method]
+        qdtype = METHOD_DTYPES[method]
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         if bias:
@@ -824,7 +321,7 @@ class QuantizedLinear(nn.Module):
             linear.in_features, linear.out_features, linear.bias is not None, method,
             device=weight.device, dtype=weight.dtype, **options,
         )
-        q, scale = quantize_weight(weight, _METHOD_DTYPES[method])
+        q, scale = quantize_weight(weight, METHOD_DTYPES[method])
         module.qweight.copy_(q)
         module.weight_scale.copy_(scale)
         if linear.bias is not None:

@@ -21,13 +21,12 @@ L2. Two inner products, chosen by the number of rows:
   sm_90 code: 4 to 8 block-wide barriers a loop step at the default tiles);
   ``x_tile_load=True`` loads it in the tile's ``[BLOCK_N, BLOCK_K]`` layout instead (no
   barrier or shared-memory load in the loop; the tile's rows read the same addresses). Off
-  by default until measured; pipelined (``num_stages > 1``) it copies that whole ``x`` tile
-  through shared memory too.
+  by default; pipelined (``num_stages > 1``) it copies that whole ``x`` tile through shared
+  memory too.
 * ``4 < M <= 16``: ``tl.dot`` on a 16-row tile (rows past ``M`` repeat a valid row
   and are never stored), the weight tile converted to ``x``'s dtype in registers
   (exact: every INT8 and e4m3 value is a bfloat16/float16 value). At 8 or more rows
-  CUDA-core FMAs would need more multiply-adds per second than an H200 has at
-  full read bandwidth (estimated: 8 x 4.8e12 weights/s against ~3.3e13 FP32 FMA/s).
+  CUDA-core FMAs at full read bandwidth would exceed the GPU's FP32 FMA rate.
   The crossover is a guess (``use_dot`` selects either).
 
 The per-channel scale factors out of the sum over ``K`` and is applied once, with
@@ -36,10 +35,9 @@ GPU (``N < 4096``), ``K`` is split over ``split_k`` programs per column block th
 write float32 partial sums; a second small kernel adds them in a fixed order (no
 atomics: the result does not depend on scheduling) and applies scale, bias and cast.
 
-Not yet measured on a GPU: the default tile sizes are a starting point for
-``bench/linear.py --shapes flux-adaln`` (the launcher's keyword arguments are the
-tuning knobs). Under ``TRITON_INTERPRET=1`` (CPU tests) the same kernels run; FP8
-weights load there too, bfloat16 does not (the interpreter's bfloat16 is broken).
+The launcher's keyword arguments are the tuning knobs (``bench/gemv_tune.py``). Under
+``TRITON_INTERPRET=1`` (CPU tests) the same kernels run; FP8 weights load there too,
+bfloat16 does not (the interpreter's bfloat16 is broken).
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ GEMV_MAX_M = 16
 # Up to this many rows the CUDA-core path; above it, tl.dot on a 16-row tile.
 FMA_MAX_ROWS = 4
 # From this many output channels on, K is never split (4096 / 32 = 128 column blocks: about
-# one per SM of an H200, which has 132).
+# one per SM of a Hopper GPU).
 NO_SPLIT_MIN_N = 4096
 _MAX_SPLIT_K = 16
 # Streaming multiprocessors assumed where there is no GPU to ask (the interpreter).
@@ -231,9 +229,7 @@ def default_tiles(m: int) -> tuple[int, int, int]:
     CUDA-core path: the per-row accumulators hold ``m * block_n * block_k`` float32
     values, kept at 32-64 registers a thread, with 8 KiB of INT8/FP8 weight per loop step.
     ``m = 1``: 16 x 512 tiles, 8 warps, the best of bench/gemv_tune.py's sweep at Flux's adaLN
-    shapes on the H200 for INT8 and FP8 at 3072 -> 18432 (25.7 / 24.5 us against 31.8 / 27.6
-    for the former 32 x 256, 4 warps; bf16 cuBLAS 41.9 us: bench/results/gemv_tune_nvidia-h200_20261130.md).
-    ``m >= 2``: not changed by that sweep (its best settings there pipeline the loop).
+    shapes (INT8 and FP8, 3072 -> 18432). ``m >= 2``: not changed by that sweep.
     ``tl.dot`` path: a 16-row tile, 64 x 128 weight tiles.
     """
     if m > FMA_MAX_ROWS:

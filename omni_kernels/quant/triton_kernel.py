@@ -255,10 +255,8 @@ def launch_config(k: int, max_tile: int) -> tuple[int, bool, int]:
     """``(BLOCK_K, SINGLE_TILE, num_warps)``: a single tile gets about 32 values a thread, 1 to 8
     warps; chunked rows 8 warps.
 
-    32 rather than 16 values a thread: at K = 3072 (a 4096 tile) 4 warps beat 8 on the H200,
-    17.0 vs 18.7 us plain and 24.3 vs 29.0 us with the LayerNorm + adaLN fused, for 4608 rows
-    (bench/results/quant_per_token_nvidia-h200_20261130-rows.md); tiles of 8192 and more keep
-    8 warps (the GELU-fused kernel's launch sweep found 8 best at Flux's widths)."""
+    32 rather than 16 values a thread: at K = 3072 (a 4096 tile) 4 warps beat 8, plain and
+    norm-fused; tiles of 8192 and more keep 8 warps (best in the GELU-fused kernel's sweep)."""
     if k <= max_tile:
         block = max(16, _next_power_of_2(k))
         return block, True, max(1, min(8, block // 1024))

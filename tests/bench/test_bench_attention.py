@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_kernels.attention import registry
+from omni_kernels.attention import selection
 
 ENV = dict(device="NVIDIA H200", arch="sm90", utc="2026-12-01T00:00:00+00:00", git_commit="abc1234",
            torch="2.11.0+cu130", cuda="13.0", cudnn=91900, python="3.12.3", packages={"triton": "3.6.0"},
@@ -82,14 +82,14 @@ def test_lossy_entry_keeps_the_lossless_ranking_and_gates_auto(bench, tmp_path, 
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"archs": {"sm90": entry}}))
     monkeypatch.setenv("OMNI_ATTENTION_AUTO_TABLE", str(table))
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     try:
-        assert registry.auto_ranking("sm90", allow_lossy=True)[:3] == ["omni_sage_sm90", "omni_sage", "sdpa_cudnn"]
-        assert registry.auto_ranking("sm90")[0] == "sdpa_cudnn"
-        assert registry.lossy_min_seq("sm90") == entry["lossy_min_seq"]
+        assert selection.auto_ranking("sm90", allow_lossy=True)[:3] == ["omni_sage_sm90", "omni_sage", "sdpa_cudnn"]
+        assert selection.auto_ranking("sm90")[0] == "sdpa_cudnn"
+        assert selection.lossy_min_seq("sm90") == entry["lossy_min_seq"]
     finally:
         monkeypatch.delenv("OMNI_ATTENTION_AUTO_TABLE")
-        registry.reload_auto_table()
+        selection.reload_auto_table()
 
 
 def test_lossless_rerun_keeps_the_sweep(bench):

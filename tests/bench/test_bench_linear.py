@@ -24,7 +24,7 @@ def test_default_shapes_unchanged_and_modulation_shapes_opt_in(bench):
 
 
 def test_variants_per_shape(bench):
-    from omni_kernels.quant.linear import GEMV_MAX_M
+    from omni_kernels.quant import GEMV_MAX_M
 
     assert bench.GEMV_MAX_M == GEMV_MAX_M
     variants = ["bf16", *[v for v in bench.VARIANTS if v != "bf16"]]

@@ -109,7 +109,7 @@ def test_dict_round_trip():
 
 
 def test_attention_policy_field():
-    from omni_diffusion.attention_policy import FullPrecisionPolicy
+    from omni_diffusion.attention import FullPrecisionPolicy
 
     config = AccelConfig(attention_policy={"first_steps": 2, "full_precision_layers": [0, "blocks.3.*"]})
     assert config.attention_policy == FullPrecisionPolicy(first_steps=2, full_precision_layers=(0, "blocks.3.*"))

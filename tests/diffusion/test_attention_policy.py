@@ -1,4 +1,4 @@
-"""Tests of omni_diffusion.attention_policy: which attention calls stay in full precision.
+"""Tests of omni_diffusion.attention.policy: which attention calls stay in full precision.
 
 A small stand-in transformer (two blocks, each with an attention module shaped
 as diffusers' ``Attention``: ``processor`` + ``set_processor``) records, per
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_diffusion.attention_policy import (
+from omni_diffusion.attention.policy import (
     FullPrecisionPolicy,
     apply_attention_policy,
     attention_modules,

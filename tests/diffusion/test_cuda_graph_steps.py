@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omni_diffusion.accelerate import _mark_graph_steps
+from omni_diffusion.compile import mark_graph_steps
 
 
 def test_one_step_mark_per_forward_and_undo(monkeypatch):
@@ -17,7 +17,7 @@ def test_one_step_mark_per_forward_and_undo(monkeypatch):
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     x = torch.randn(2, 4)
-    undo = _mark_graph_steps(model)
+    undo = mark_graph_steps(model)
     expected = model(x)
     model(x)
     assert len(marks) == 2

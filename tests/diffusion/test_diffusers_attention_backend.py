@@ -21,7 +21,7 @@ from diffusers.models import attention_dispatch as ad  # noqa: E402
 
 import omni_kernels.attention as A  # noqa: E402
 import omni_kernels.attention.ops as ops  # noqa: E402
-from omni_diffusion import attention_backend as ob  # noqa: E402
+from omni_diffusion.attention import diffusers_backend as ob  # noqa: E402
 from omni_diffusion.testing import tiny_flux_transformer  # noqa: E402
 
 HAS_TRITON_FLASH = importlib.util.find_spec("omni_kernels.attention.triton_flash") is not None

@@ -30,6 +30,7 @@ pytest.importorskip("safetensors")
 
 import omni_kernels._device as omni_device  # noqa: E402
 import omni_kernels.quant.dispatch as quant_dispatch  # noqa: E402
+import omni_diffusion.quantization.plan as quant_plan  # noqa: E402
 from omni_diffusion import quantization as Q  # noqa: E402
 from omni_diffusion.testing import tiny_flux_transformer  # noqa: E402
 from omni_diffusion.quantization import (  # noqa: E402
@@ -288,7 +289,7 @@ def test_fp8_on_gpu_without_fp8_tensor_cores_raises(monkeypatch):
     assert quant_dispatch.fp8_unsupported_reason(torch.device("cpu")) is None
 
     # quantize() asks for every device its layers sit on: here the CPU, reported as unsupported.
-    monkeypatch.setattr(Q, "fp8_unsupported_reason", lambda device: "FP8 needs FP8 tensor cores (test)")
+    monkeypatch.setattr(quant_plan, "fp8_unsupported_reason", lambda device: "FP8 needs FP8 tensor cores (test)")
     model, _ = _tiny_flux()
     with pytest.raises(RuntimeError, match=r"QuantConfig\.method='fp8_weight_only': FP8 needs FP8 tensor cores"):
         quantize(model, QuantConfig(method="fp8_weight_only"))

@@ -25,6 +25,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 
+import omni_diffusion.quantization.plan as quant_plan  # noqa: E402
 from omni_diffusion import quantization as Q  # noqa: E402
 from omni_diffusion.quantization import (  # noqa: E402
     QuantConfig,
@@ -265,7 +266,7 @@ def test_fusion_needs_one_method_per_triple():
 
 
 def test_fp8_hardware_check_names_the_layer_methods_entry(monkeypatch):
-    monkeypatch.setattr(Q, "fp8_unsupported_reason", lambda device: "FP8 needs FP8 tensor cores (test)")
+    monkeypatch.setattr(quant_plan, "fp8_unsupported_reason", lambda device: "FP8 needs FP8 tensor cores (test)")
     model, _ = tiny_flux_transformer()
     with pytest.raises(RuntimeError, match=r"QuantConfig\.layer_methods gives 'transformer_blocks\.0\.norm1\.linear' "
                                            r"'fp8_weight_only': FP8 needs FP8 tensor cores \(test\)"):

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
+import omni_diffusion.quantization.norm_fusion as norm_fusion  # noqa: E402
 from omni_diffusion import quantization as Q  # noqa: E402
 from omni_kernels._triton import triton_interpreter_enabled  # noqa: E402
 from omni_diffusion.adapters import adapter_for_transformer  # noqa: E402
@@ -64,14 +65,14 @@ def test_norm_fused_forwards_match_the_block_forwards(method, monkeypatch):
     assert [fused.get_submodule(b).__dict__["forward"].__func__ for b in BLOCKS] == [
         dual_block_forward_norm_fused, single_block_forward_norm_fused]
     calls = []
-    original = Q.quantize_per_token
+    original = norm_fusion.quantize_per_token
 
     def counting(x, *args, **kwargs):
         prefix = kwargs.get("prefix")
         calls.append((tuple(x.shape), kwargs.get("norm"), None if prefix is None else tuple(prefix.shape)))
         return original(x, *args, **kwargs)
 
-    monkeypatch.setattr(Q, "quantize_per_token", counting)
+    monkeypatch.setattr(norm_fusion, "quantize_per_token", counting)
     out = _run(fused, inputs)
     # dual block: image norm1, text norm1_context, image norm2, text norm2_context; single: the
     # joint norm, its text tokens read from their own tensor (no cat)

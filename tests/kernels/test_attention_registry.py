@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import omni_kernels.attention as A
-from omni_kernels.attention import registry
-from omni_kernels.attention.backends import _util
+from omni_kernels.attention import selection
+from omni_kernels.attention.spec import _arch_of
+from omni_kernels import _packages
 from omni_kernels.attention.reference import attention_reference
 
 HAS_TRITON_FLASH = importlib.util.find_spec("omni_kernels.attention.triton_flash") is not None
@@ -40,11 +41,11 @@ def _clean_selection_state(monkeypatch):
     monkeypatch.delenv(A.ENV_BACKEND, raising=False)
     monkeypatch.delenv(A.ENV_ALLOW_LOSSY, raising=False)
     monkeypatch.delenv(A.ENV_AUTO_TABLE, raising=False)
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     yield
-    registry.reload_auto_table()
-    registry._TRACED_CHOICES.clear()
-    registry._WARNED_CHOICES.clear()
+    selection.reload_auto_table()
+    selection._TRACED_CHOICES.clear()
+    selection._WARNED_CHOICES.clear()
 
 
 def _qkv(shape_q, shape_kv, dtype=torch.float32, device="cpu", seed=0):
@@ -196,8 +197,8 @@ def test_forward_only_backend_rejects_grad(spies):
 
 
 def test_missing_package_and_broken_extension_reasons(tmp_path, monkeypatch):
-    _util._IMPORTS.pop("omni_no_such_pkg", None)
-    module, reason = _util.lazy_import("omni_no_such_pkg", "omni-no-such-pkg", "pip install omni-no-such-pkg")
+    _packages._IMPORTS.pop("omni_no_such_pkg", None)
+    module, reason = _packages.lazy_import("omni_no_such_pkg", "omni-no-such-pkg", "pip install omni-no-such-pkg")
     assert module is None and reason == (
         "the 'omni-no-such-pkg' package is not installed (pip install omni-no-such-pkg)"
     )
@@ -205,8 +206,8 @@ def test_missing_package_and_broken_extension_reasons(tmp_path, monkeypatch):
         "raise ImportError('libfoo.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    _util._IMPORTS.pop("omni_broken_ext", None)
-    module, reason = _util.lazy_import("omni_broken_ext", "omni-broken-ext", "pip install it")
+    _packages._IMPORTS.pop("omni_broken_ext", None)
+    module, reason = _packages.lazy_import("omni_broken_ext", "omni-broken-ext", "pip install it")
     assert module is None
     assert "failed to load" in reason and "undefined symbol" in reason and "built for another torch" in reason
     sys.modules.pop("omni_broken_ext", None)
@@ -227,7 +228,7 @@ def test_lossy_backend_needs_table_and_permission(tmp_path, monkeypatch, spies):
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"archs": {"cpu": {"ranking": ["spy_lossy", "sdpa_math"]}}}))
     monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))
     assert A.select_backend(q, k, v)[0] == "sdpa_math"  # lossy not allowed by default
     assert A.select_backend(q, k, v, allow_lossy=True)[0] == "spy_lossy"
@@ -238,12 +239,12 @@ def test_lossy_backend_needs_table_and_permission(tmp_path, monkeypatch, spies):
     assert A.select_backend(q, k, v, allow_lossy=False)[0] == "sdpa_math"
     # A lossy backend the table does not list is never auto-chosen, even when allowed.
     table.write_text(json.dumps({"archs": {"cpu": {"ranking": ["spy_a"]}}}))
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     ranking = A.auto_ranking("cpu", allow_lossy=True)
     assert ranking[0] == "spy_a" and "spy_lossy" not in ranking and "sageattention" not in ranking
     # The shipped table: a lossy backend appears for an arch only where that arch lists it.
     monkeypatch.delenv(A.ENV_AUTO_TABLE)
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     archs = A.load_auto_table()["archs"]
     for arch in ("sm90", "sm80"):
         listed = archs.get(arch, archs["cuda_default"])["ranking"]
@@ -267,7 +268,7 @@ def test_lossy_crossover_gates_auto_by_sequence_length(tmp_path, monkeypatch, sp
     table.write_text(json.dumps({"archs": {"cpu": {
         "ranking": ["spy_lossy", "sdpa_math"], "lossy_min_seq": {"spy_lossy": 12}}}}))
     monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
-    registry.reload_auto_table()
+    selection.reload_auto_table()
     assert A.lossy_min_seq("cpu") == {"spy_lossy": 12}
     short = _qkv((1, 2, 11, 16), (1, 2, 11, 16))
     long = _qkv((1, 2, 12, 16), (1, 2, 12, 16))
@@ -277,7 +278,7 @@ def test_lossy_crossover_gates_auto_by_sequence_length(tmp_path, monkeypatch, sp
     assert A.select_backend(*cross, allow_lossy=True)[0] == "sdpa_math"
     assert A.select_backend(*long)[0] == "sdpa_math"  # lossy still needs permission
     assert A.select_backend(*short, backend="spy_lossy")[0] == "spy_lossy"  # named: no rule
-    registry._LOGGED_CHOICES.clear()
+    selection._LOGGED_CHOICES.clear()
     with caplog.at_level(logging.INFO, logger="omni_kernels.attention"):
         A.attention(*short, allow_lossy=True)
         A.attention(*long, allow_lossy=True)
@@ -288,7 +289,7 @@ def test_lossy_crossover_gates_auto_by_sequence_length(tmp_path, monkeypatch, sp
     for bad in (0, "4096", 2.5, True):
         table.write_text(json.dumps({"archs": {"cpu": {
             "ranking": ["spy_lossy", "sdpa_math"], "lossy_min_seq": {"spy_lossy": bad}}}}))
-        registry.reload_auto_table()
+        selection.reload_auto_table()
         with pytest.raises(ValueError, match="lossy_min_seq"):
             A.attention(*long, allow_lossy=True)
     # without permission for lossy backends the rule is not even read
@@ -299,8 +300,8 @@ def test_context_entered_after_a_compile_warns_once(caplog):
     """Compiled attention keeps the attention_backend() choice it was traced under; a later,
     different context says so (once), the traced one stays silent."""
     torch._dynamo.reset()
-    registry._TRACED_CHOICES.clear()
-    registry._WARNED_CHOICES.clear()
+    selection._TRACED_CHOICES.clear()
+    selection._WARNED_CHOICES.clear()
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))
     compiled = torch.compile(lambda q, k, v: A.attention(q, k, v), backend="eager", fullgraph=True)
     with caplog.at_level(logging.WARNING, logger="omni_kernels.attention"):
@@ -330,19 +331,19 @@ def test_auto_ranking_follows_registration_and_the_table(tmp_path, monkeypatch):
         table = tmp_path / "auto_table.json"
         table.write_text(json.dumps({"format": 1, "archs": {"cpu": {"ranking": ["late_plugin"]}}}))
         monkeypatch.setenv(A.ENV_AUTO_TABLE, str(table))
-        registry.reload_auto_table()
+        selection.reload_auto_table()
         assert A.auto_ranking("cpu")[0] == "late_plugin"
         A.auto_ranking("cpu").clear()  # callers get a copy
         assert A.auto_ranking("cpu")[0] == "late_plugin"
     finally:
         A.unregister_backend("late_plugin")
         monkeypatch.delenv(A.ENV_AUTO_TABLE)
-        registry.reload_auto_table()
+        selection.reload_auto_table()
     assert A.auto_ranking("cpu") == before
 
 
 def test_auto_logs_choice_once(caplog):
-    registry._LOGGED_CHOICES.clear()
+    selection._LOGGED_CHOICES.clear()
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16))
     with caplog.at_level(logging.INFO, logger="omni_kernels.attention"):
         A.attention(q, k, v)
@@ -689,7 +690,7 @@ def test_gpu_backend_real_shape(backend):
 def test_gpu_auto_prefers_table_order():
     q, k, v = _qkv((1, 24, 1024, 128), (1, 24, 1024, 128), dtype=torch.bfloat16, device="cuda")
     chosen, _ = A.select_backend(q, k, v)
-    arch = registry._arch_of(q.device)[0]
+    arch = _arch_of(q.device)[0]
     first_ok = next(n for n in A.auto_ranking(arch) if A.select_backend(q, k, v, backend=n)[0] == n)
     assert chosen == first_ok
     assert not A.get_backend(chosen).lossy

@@ -9,7 +9,7 @@ def test_one_capability_cache_for_every_dispatcher(monkeypatch):
     """omni_kernels._device asks torch once a device; the attention registry and the quantized
     linear dispatch read that same cache (the latter without asking, while compiling)."""
     from omni_kernels import _device
-    from omni_kernels.attention import registry
+    from omni_kernels.attention import spec
     from omni_kernels.quant import dispatch
 
     asked = []
@@ -18,7 +18,7 @@ def test_one_capability_cache_for_every_dispatcher(monkeypatch):
     device = torch.device("cuda", 3)
     assert _device.known_cuda_capability(3) is None
     assert dispatch.cached_device_capability(device) is None
-    assert registry._arch_of(device) == ("sm90", (9, 0))
+    assert spec._arch_of(device) == ("sm90", (9, 0))
     assert dispatch.device_capability(device) == (9, 0) and _device.cuda_capability(3) == (9, 0)
     assert dispatch.cached_device_capability(device) == (9, 0)
     assert asked == [3]

@@ -16,7 +16,7 @@ OP_MODULES = (
     "omni_kernels.attention",
     "omni_kernels.attention.quantized.ops",
     "omni_kernels.quant",
-    "omni_kernels.quant.linear",
+    "omni_kernels.quant.gemm_ops",
 )
 #: argument names Inductor's fallback lowering already uses as its own parameters
 RESERVED_BY_INDUCTOR = {"kernel"}

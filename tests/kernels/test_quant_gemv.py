@@ -23,7 +23,7 @@ from torch import nn
 
 from omni_kernels._triton import triton_interpreter_enabled
 from omni_kernels.quant import WEIGHT_ONLY_BACKENDS, QuantizedLinear, quantize_weight, scaled_mm, weight_only_mm
-from omni_kernels.quant import linear as quant_linear
+from omni_kernels.quant import gemm_backends
 
 # The CPU tests run the kernels in Triton's interpreter.
 needs_interpreter = pytest.mark.skipif(not triton_interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
@@ -194,7 +194,7 @@ def test_default_split_k_rule():
     pytest.importorskip("triton")
     from omni_kernels.quant.triton_gemv import GEMV_MAX_M, default_split_k
 
-    assert quant_linear.GEMV_MAX_M == GEMV_MAX_M == 16  # linear.py keeps its own copy (no triton import)
+    assert gemm_backends.GEMV_MAX_M == GEMV_MAX_M == 16  # gemm_backends.py keeps its own copy (no triton import)
 
     cpu = torch.device("cpu")
     assert default_split_k(18432, 3072, 32, 256, cpu) == 1
@@ -300,25 +300,25 @@ def test_weight_only_mm_gemv_errors(inputs):
 def test_auto_order_puts_the_gemv_first_for_few_rows_on_cuda():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for kind in ("int8_weight_only", "fp8_weight_only"):
-        assert quant_linear._auto_order(kind, cuda, 1) == ("triton_gemv", "triton", "aten", "torch")
-        assert quant_linear._auto_order(kind, cuda, 16) == ("triton_gemv", "triton", "aten", "torch")
-        assert quant_linear._auto_order(kind, cuda, 17) == ("triton", "aten", "torch")
-        assert quant_linear._auto_order(kind, cuda, 65) == ("aten", "triton", "torch")
-        assert quant_linear._auto_order(kind, cpu, 1) == ("aten", "torch")
-    assert "triton_gemv" not in quant_linear._auto_order("fp8", cuda, 1)
-    assert "triton_gemv" not in quant_linear._auto_order("int8", cuda, 1)
+        assert gemm_backends._auto_order(kind, cuda, 1) == ("triton_gemv", "triton", "aten", "torch")
+        assert gemm_backends._auto_order(kind, cuda, 16) == ("triton_gemv", "triton", "aten", "torch")
+        assert gemm_backends._auto_order(kind, cuda, 17) == ("triton", "aten", "torch")
+        assert gemm_backends._auto_order(kind, cuda, 65) == ("aten", "triton", "torch")
+        assert gemm_backends._auto_order(kind, cpu, 1) == ("aten", "torch")
+    assert "triton_gemv" not in gemm_backends._auto_order("fp8", cuda, 1)
+    assert "triton_gemv" not in gemm_backends._auto_order("int8", cuda, 1)
 
 
 def test_auto_choice_is_logged_with_what_was_skipped(caplog, monkeypatch):
     """``_choose`` on a CUDA device (decided from the reasons alone, no GPU needed): the GEMV
     when it can run, the next backend with the GEMV's reason logged when it cannot."""
-    monkeypatch.setattr(quant_linear, "_logged_auto_choices", set())
+    monkeypatch.setattr(gemm_backends, "_logged_auto_choices", set())
     cuda = torch.device("cuda")
-    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.linear"):
-        chosen = quant_linear._choose("int8_weight_only", "auto", lambda b: None, cuda, 1,
+    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.gemm_backends"):
+        chosen = gemm_backends._choose("int8_weight_only", "auto", lambda b: None, cuda, 1,
                                       "weight_only_mm", WEIGHT_ONLY_BACKENDS)
         assert chosen == "triton_gemv"
-        refused = quant_linear._choose(
+        refused = gemm_backends._choose(
             "int8_weight_only", "auto", lambda b: "no GEMV here (test)" if b == "triton_gemv" else None,
             cuda, 2, "weight_only_mm", WEIGHT_ONLY_BACKENDS)
         assert refused == "triton"
@@ -328,7 +328,7 @@ def test_auto_choice_is_logged_with_what_was_skipped(caplog, monkeypatch):
     # On CPU "auto" stays on torch's kernels (the interpreter is for explicit tests).
     x = torch.randn(1, 32)
     w_q, w_scale = quantize_weight(torch.randn(16, 32), "int8")
-    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.linear"):
+    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.gemm_backends"):
         weight_only_mm(x, w_q, w_scale)
     assert any("chose 'aten' on cpu" in r.getMessage() for r in caplog.records)
 
@@ -438,9 +438,9 @@ def test_gpu_gemv_x_tile_load(inputs, m, k, n, qdtype, num_stages):
 
 @pytest.mark.gpu
 def test_gpu_auto_backend_chooses_the_gemv(inputs, caplog, monkeypatch):
-    monkeypatch.setattr(quant_linear, "_logged_auto_choices", set())
+    monkeypatch.setattr(gemm_backends, "_logged_auto_choices", set())
     x, w_q, w_scale, bias = _operands(inputs, 1, 3072, 9216, "int8", torch.bfloat16, device="cuda")
-    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.linear"):
+    with caplog.at_level(logging.INFO, logger="omni_kernels.quant.gemm_backends"):
         weight_only_mm(x, w_q, w_scale, bias)
         weight_only_mm(torch.cat([x] * 17), w_q, w_scale, bias)
     messages = [r.getMessage() for r in caplog.records]

@@ -960,29 +960,29 @@ def test_cublaslt_auto_only_on_the_measured_capability(monkeypatch):
     """'auto' takes the cuBLASLt GEMM on compute capability 9.0 only, in eager mode by the GPU's
     capability and while tracing by the capability an eager call cached (none: aten)."""
     from omni_kernels import _device
-    from omni_kernels.quant import linear
+    from omni_kernels.quant import gemm_backends
 
-    if not linear._HAS_CUBLASLT_OP:
+    if not gemm_backends._HAS_CUBLASLT_OP:
         pytest.skip("the compiled extension has no fp8_gemm_cublaslt op")
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(_device, "_capabilities", {0: (8, 9)})
-    assert "compute capability 9.0 only (measured there; this GPU: 8.9)" in linear._cublaslt_problem_reason(
+    assert "compute capability 9.0 only (measured there; this GPU: 8.9)" in gemm_backends._cublaslt_problem_reason(
         cuda0, 64, 64, torch.bfloat16, True)
-    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, False) is None  # asked for: allowed
+    assert gemm_backends._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, False) is None  # asked for: allowed
     monkeypatch.setattr(_device, "_capabilities", {0: (9, 0)})
-    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
-    assert "multiples of 16" in linear._cublaslt_problem_reason(cuda0, 64, 40, torch.bfloat16, True)
+    assert gemm_backends._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
+    assert "multiples of 16" in gemm_backends._cublaslt_problem_reason(cuda0, 64, 40, torch.bfloat16, True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
+    assert gemm_backends._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True) is None
     monkeypatch.setattr(_device, "_capabilities", {})
-    assert "not known while tracing" in linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
+    assert "not known while tracing" in gemm_backends._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     # A failure under "auto" (logged once) keeps "auto" on aten for that device from then on.
     monkeypatch.setattr(_device, "_capabilities", {0: (9, 0), 1: (9, 0)})
-    monkeypatch.setattr(linear, "_cublaslt_failed_devices", set())
-    linear._cublaslt_failed(cuda0, RuntimeError("fp8_gemm_cublaslt: cublasLtMatmul failed: ..."))
-    assert "failed on this device earlier" in linear._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
-    assert linear._cublaslt_problem_reason(torch.device("cuda", 1), 64, 64, torch.bfloat16, True) is None
+    monkeypatch.setattr(gemm_backends, "_cublaslt_failed_devices", set())
+    gemm_backends._cublaslt_failed(cuda0, RuntimeError("fp8_gemm_cublaslt: cublasLtMatmul failed: ..."))
+    assert "failed on this device earlier" in gemm_backends._cublaslt_problem_reason(cuda0, 64, 64, torch.bfloat16, True)
+    assert gemm_backends._cublaslt_problem_reason(torch.device("cuda", 1), 64, 64, torch.bfloat16, True) is None
 
 
 @pytest.mark.gpu
@@ -1154,7 +1154,7 @@ def test_gpu_fused_fp8_op_opcheck(inputs):
 
 
 _BAD_CALL_SCRIPT = """
-import torch, omni_kernels.quant.linear
+import torch, omni_kernels.quant.gemm_ops
 from omni_kernels.quant import quantize_weight
 x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
 w_q, w_scale = quantize_weight(torch.randn(64, 256, device="cuda"), "fp8")

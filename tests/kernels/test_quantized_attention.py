@@ -707,9 +707,9 @@ def test_auto_never_picks_lossy_unasked():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to fake its capability")
 def test_backend_rejects_gpu_without_fp8(monkeypatch):
-    from omni_kernels.attention import registry
+    from omni_kernels.attention import spec
 
-    monkeypatch.setattr(registry, "cuda_capability", lambda index: (8, 0))
+    monkeypatch.setattr(spec, "cuda_capability", lambda index: (8, 0))
     q = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.float16)
     name, reason = select_backend(q, q, q, backend="omni_sage")
     assert name is None and "compute capability >= 8.9" in reason

@@ -19,7 +19,7 @@ def _outliers(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def attention_case(rank, world, ulysses, ring, batch, text, image, heads, dim, text_first, seed):
     """SequenceParallelAttention against full attention on the same q/k/v."""
-    from omni_diffusion.parallel.usp import SequenceGroups, SequenceParallelAttention, SequenceState
+    from omni_diffusion.parallel.sequence_attention import SequenceGroups, SequenceParallelAttention, SequenceState
 
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_outliers(torch.randn(batch, text + image, heads, dim, generator=gen), gen)
@@ -301,7 +301,7 @@ def _deepen(transformer, adapter, blocks_per_list: int) -> None:
 def _image_shares(transformer) -> set[tuple[int, int]]:
     """``(image tokens held, image tokens in all)`` of each sequence-parallel attention's
     last forward (routed through diffusers' dispatcher), to show the work was split."""
-    from omni_diffusion.parallel.usp import SequenceParallelAttention
+    from omni_diffusion.parallel.sequence_attention import SequenceParallelAttention
 
     shares = set()
     for module in transformer.modules():
@@ -381,8 +381,9 @@ def compile_undo_order_case(rank, world, compile_undone_first):
     ``forward`` is the same object as before (or again absent), and the block hooks left."""
     import functools
 
-    from omni_diffusion.accelerate import AccelConfig, _apply_compile
+    from omni_diffusion.accelerate import AccelConfig
     from omni_diffusion.adapters import adapter_for_transformer
+    from omni_diffusion.compile import apply_compile
     from omni_diffusion.parallel import parallelize
     from omni_diffusion.testing import tiny_transformer
 
@@ -400,7 +401,7 @@ def compile_undo_order_case(rank, world, compile_undone_first):
     ref = forward()
     undo_parallel = parallelize(model, ParallelConfig(), attention_backend="sdpa_math",
                                 device_type="cpu", force_sequence_parallel=True)
-    undo_compile = _apply_compile(model, adapter, AccelConfig(compile=True, compile_backend="eager"))
+    undo_compile = apply_compile(model, adapter, AccelConfig(compile=True, compile_backend="eager"))
     try:
         compiled = forward()
         inner_compiled = all(_is_compiled(getattr(b.__dict__.get("forward"), "inner", None))

@@ -1,53 +1,33 @@
-"""Helpers shared by the backends: lazy imports with a reason when they fail, input checks."""
+"""Helpers shared by the backends: composable availability requirements, input checks."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 
-_IMPORTS: dict[str, tuple[ModuleType | None, str | None]] = {}
+from omni_kernels._packages import OptionalPackage
+
+#: ``(device or None) -> None | reason``: what a backend's ``availability`` is.
+Requirement = Callable[[torch.device | None], "str | None"]
 
 
-def package_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+def all_of(*requirements: Requirement) -> Requirement:
+    """A requirement met when every one of ``requirements`` is; the first reason otherwise."""
+
+    def check(device: torch.device | None) -> str | None:
+        for requirement in requirements:
+            reason = requirement(device)
+            if reason is not None:
+                return reason
         return None
 
-
-def lazy_import(module: str, dist: str, hint: str) -> tuple[ModuleType | None, str | None]:
-    """``(module, None)``, or ``(None, reason)``: not installed, or failed to load
-    (e.g. a compiled extension built for another torch / CUDA). Cached."""
-    cached = _IMPORTS.get(module)
-    if cached is not None:
-        return cached
-    try:
-        mod = importlib.import_module(module)
-        result = (mod, None)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.split(".")[0] == exc.name.split(".")[0]:
-            reason = f"the {dist!r} package is not installed ({hint})"
-        else:
-            reason = _load_failure(module, dist, exc)
-        result = (None, reason)
-    except Exception as exc:  # ImportError (undefined symbol), OSError, RuntimeError, ...
-        result = (None, _load_failure(module, dist, exc))
-    _IMPORTS[module] = result
-    return result
+    return check
 
 
-def _load_failure(module: str, dist: str, exc: BaseException) -> str:
-    version = package_version(dist)
-    installed = f"{dist} {version}" if version else dist
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return (
-        f"{installed} is installed but {module!r} failed to load ({type(exc).__name__}: "
-        f"{message[:300]}); it may be built for another torch/CUDA than torch "
-        f"{torch.__version__} (CUDA {torch.version.cuda})"
-    )
+def has_symbols(package: OptionalPackage, *symbols: str) -> Requirement:
+    """The requirement that ``package`` imports and has ``symbols`` (whatever the device)."""
+    return lambda device: package.missing_reason(*symbols)
 
 
 def cuda_reason(device: torch.device | None) -> str | None:
@@ -72,7 +52,7 @@ def triton_input_check(problem, q, k, v, key_padding_mask) -> str | None:
     interpreter mishandles; on CUDA no float32 (float16/bfloat16 only); ``q``,
     ``k`` and ``v`` with stride 1 in their last (head) dimension, since the
     kernels take only batch/head/sequence strides. ``problem`` is the registry's
-    :class:`~omni_kernels.attention.registry.AttentionProblem`; ``key_padding_mask``
+    :class:`~omni_kernels.attention.spec.AttentionProblem`; ``key_padding_mask``
     is unused (both backends declare ``key_padding_mask=False``).
     """
     if problem.device.type == "cpu" and problem.dtype == torch.bfloat16:

@@ -11,44 +11,27 @@ place (no unpadding copy); that path is forward-only and not causal.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
 
-from omni_kernels.attention.backends._util import cuda_reason, last_dim_contiguous, lazy_import
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels._packages import OptionalPackage
+from omni_kernels.attention.backends._util import all_of, cuda_reason, has_symbols, last_dim_contiguous
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
-_FA2_HINT = "pip install flash-attn --no-build-isolation"
-_FA3_HINT = "build flash-attention's hopper/ directory: cd hopper && python setup.py install"
-
-
-def _fa2():
-    return lazy_import("flash_attn", "flash-attn", _FA2_HINT)
-
-
-def _fa3():
-    return lazy_import("flash_attn_interface", "flash-attn-3", _FA3_HINT)
+_FA2 = OptionalPackage("flash_attn", "flash-attn", "pip install flash-attn --no-build-isolation")
+_FA3 = OptionalPackage(
+    "flash_attn_interface", "flash-attn-3",
+    "build flash-attention's hopper/ directory: cd hopper && python setup.py install",
+)
 
 
-def _availability(loader):
-    def availability(device):
-        reason = cuda_reason(device)
-        if reason is not None:
-            return reason
-        module, reason = loader()
-        if reason is not None:
-            return reason
-        if not hasattr(module, "flash_attn_func"):
-            return f"{module.__name__} has no flash_attn_func (unsupported version)"
-        return None
-
-    return availability
-
-
-def _input_check(loader):
+def _input_check(package: OptionalPackage):
     def check(problem, q, k, v, key_padding_mask):
         if problem.key_lengths:
-            module, _ = loader()
+            module, _ = package.load()
             if not hasattr(module, "flash_attn_with_kvcache"):
                 return "cannot take key_lengths: this version has no flash_attn_with_kvcache"
             if problem.causal:
@@ -73,9 +56,9 @@ def _accepts(fn, name: str) -> bool:
     return _ACCEPTS_RETURN_PROBS[key]
 
 
-def _runner(loader):
+def _runner(package: OptionalPackage):
     def run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
-        module, _ = loader()
+        module, _ = package.load()
         if key_lengths is not None:
             result = module.flash_attn_with_kvcache(
                 q, k, v, cache_seqlens=key_lengths, softmax_scale=scale, causal=False,
@@ -104,46 +87,32 @@ def _runner(loader):
 FLASH_ATTN = register_backend(
     BackendSpec(
         name="flash_attn",
-        run=_runner(_fa2),
+        run=_runner(_FA2),
         description="FlashAttention-2 (flash-attn package, flash_attn_func)",
-        devices=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16),
-        head_dims=range(8, 257, 8),
         layouts=("bshd",),
-        causal=True,
         causal_cross=False,
-        gqa=True,
         key_lengths=True,
-        key_padding_mask=False,
         lse=True,
         backward=True,
         min_capability=(8, 0),
         package="flash-attn",
-        availability=_availability(_fa2),
-        input_check=_input_check(_fa2),
+        availability=all_of(cuda_reason, has_symbols(_FA2, "flash_attn_func")),
+        input_check=_input_check(_FA2),
     )
 )
 
+# FlashAttention-2's declaration, narrowed to what the Hopper build takes.
 FLASH_ATTN3 = register_backend(
-    BackendSpec(
+    dataclasses.replace(
+        FLASH_ATTN,
         name="flash_attn3",
-        run=_runner(_fa3),
+        run=_runner(_FA3),
         description="FlashAttention-3 for Hopper (flash_attn_interface.flash_attn_func)",
-        devices=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16),
         head_dims=(64, 96, 128, 192, 256),
-        layouts=("bshd",),
-        causal=True,
-        causal_cross=False,
-        gqa=True,
-        key_lengths=True,
-        key_padding_mask=False,
-        lse=True,
-        backward=True,
         min_capability=(9, 0),
         max_capability=(9, 0),
         package="flash-attn-3",
-        availability=_availability(_fa3),
-        input_check=_input_check(_fa3),
+        availability=all_of(cuda_reason, has_symbols(_FA3, "flash_attn_func")),
+        input_check=_input_check(_FA3),
     )
 )

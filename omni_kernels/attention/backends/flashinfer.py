@@ -15,24 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from omni_kernels.attention.backends._util import cuda_reason, last_dim_contiguous, lazy_import
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels._packages import OptionalPackage
+from omni_kernels.attention.backends._util import all_of, cuda_reason, has_symbols, last_dim_contiguous
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
-
-def _module():
-    return lazy_import("flashinfer", "flashinfer-python", "pip install flashinfer-python")
-
-
-def _availability(device):
-    reason = cuda_reason(device)
-    if reason is not None:
-        return reason
-    module, reason = _module()
-    if reason is not None:
-        return reason
-    if not hasattr(module, "single_prefill_with_kv_cache"):
-        return "flashinfer has no single_prefill_with_kv_cache (unsupported version)"
-    return None
+_FLASHINFER = OptionalPackage("flashinfer", "flashinfer-python", "pip install flashinfer-python")
 
 
 def _sample(x):
@@ -41,7 +29,7 @@ def _sample(x):
 
 
 def _run(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask, return_lse):
-    module, _ = _module()
+    module, _ = _FLASHINFER.load()
     lengths = key_lengths.tolist() if key_lengths is not None else None
     outs = []
     for b in range(q.shape[0]):
@@ -68,20 +56,13 @@ SPEC = register_backend(
         name="flashinfer",
         run=_run,
         description="FlashInfer single_prefill_with_kv_cache (FA2/FA3 kernels), looped over the batch",
-        devices=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16),
         head_dims=(64, 128, 256),
         layouts=("bshd",),
-        causal=True,
         causal_cross=False,
-        gqa=True,
         key_lengths=True,
-        key_padding_mask=False,
-        lse=False,
-        backward=False,
         min_capability=(8, 0),
         package="flashinfer-python",
-        availability=_availability,
+        availability=all_of(cuda_reason, has_symbols(_FLASHINFER, "single_prefill_with_kv_cache")),
         input_check=_input_check,
     )
 )

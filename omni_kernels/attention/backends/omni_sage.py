@@ -7,7 +7,7 @@ accumulation). Called
 through the ``torch.library`` op ``omni_kernels::sage_attention_fwd``
 (:mod:`omni_kernels.attention.quantized.ops`), so ``torch.compile`` keeps it
 as one node; in eager mode with plain tensors the kernels are launched directly
-(the op's dispatch cost ~40 us a call on the H200's host). Quantization runs
+(the op's dispatch would add host time to every call). Quantization runs
 inside every call (its cost is in the timing).
 
 Takes both layouts through strides, GQA, ``key_lengths``, log-sum-exp; not
@@ -25,10 +25,13 @@ from __future__ import annotations
 import torch
 
 from omni_kernels._triton import eager_launch_allowed, triton_unavailable_reason
-from omni_kernels.attention.backends._util import lazy_import, triton_input_check
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels._packages import OptionalPackage
+from omni_kernels.attention.backends._util import triton_input_check
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
-_MODULE = "omni_kernels.attention.quantized.attention_kernel"
+#: the quantized attention's kernel module (it imports triton)
+KERNEL_MODULE = OptionalPackage("omni_kernels.attention.quantized.attention_kernel", "omni", "reinstall omni")
 
 
 def _availability(device: torch.device | None) -> str | None:
@@ -37,7 +40,7 @@ def _availability(device: torch.device | None) -> str | None:
     reason = triton_unavailable_reason(device)
     if reason is not None:
         return reason
-    _, reason = lazy_import(_MODULE, "omni", "reinstall omni")
+    _, reason = KERNEL_MODULE.load()
     return reason
 
 
@@ -47,8 +50,8 @@ def run_backend(q, k, v, *, layout, causal, scale, key_lengths, key_padding_mask
     from omni_kernels.attention.quantized import ops
 
     if eager_launch_allowed(q, k, v, key_lengths):
-        # eager: the kernels straight away; the op is for torch.compile and fake tensors, and
-        # its dispatch cost ~40 us a call on the H200's host (the call is ~0.45 ms at Flux)
+        # eager: the kernels straight away; the op is for torch.compile and fake tensors (its
+        # dispatch is host time on every call)
         return ops.run_sage_attention(q, k, v, layout, scale, key_lengths, implementation,
                                       return_lse=return_lse)
     out, lse = ops.sage_attention_fwd(q, k, v, layout, scale, key_lengths, implementation)
@@ -66,14 +69,10 @@ SPEC = register_backend(
         layouts=("bhsd", "bshd"),
         causal=False,
         causal_cross=False,
-        gqa=True,
         key_lengths=True,
-        key_padding_mask=False,
         lse=True,
-        backward=False,
         min_capability=(8, 9),
         lossy=True,
-        package=None,
         availability=_availability,
         input_check=triton_input_check,
     )

@@ -4,12 +4,10 @@ The same math and quantization as ``omni_sage`` (:mod:`omni_kernels.attention.qu
 K smoothed by its mean, Q INT8 per token, K INT8 per 128-key block, V FP8 e4m3 per
 channel, P in FP8 with two-level accumulation), with the attention itself in
 ``csrc/attention/sage_sm90.cu``: wgmma for both products, TMA loads, one producer and two
-consumer warpgroups a 128-query tile. The quantization runs in Triton: on the H200 its codes
-launch is faster than omni's CUDA quantizer's (``omni_kernels::sage_quantize_qkv``, which
-``SageConfig(cuda_quantizer=True)`` selects): 48 vs 60 us at Flux 1024^2, 1.06 vs 1.43 ms at
-Wan 720p, while the CUDA K mean is the faster one (6.5 vs 14 us at Flux;
-bench/results/attention-sm90-cuda-quantizer-loads_nvidia-h200_20261202.md). Either stores V^T's
-keys in the order that kernel's P fragments need (``permute_v=True``).
+consumer warpgroups a 128-query tile. The quantization runs in Triton, faster than omni's CUDA
+quantizer (``omni_kernels::sage_quantize_qkv``, which ``SageConfig(cuda_quantizer=True)``
+selects). Either stores V^T's keys in the order that kernel's P fragments need
+(``permute_v=True``).
 
 Hopper only (compute capability 9.0; the kernel is sm_90a code), head_dim 128,
 float16/bfloat16, CUDA tensors, omni's compiled extension. Both layouts, GQA,
@@ -27,10 +25,7 @@ import torch
 
 from omni_kernels._triton import triton_unavailable_reason
 from omni_kernels.attention.backends import omni_sage
-from omni_kernels.attention.backends._util import lazy_import
 from omni_kernels.attention.registry import register_backend
-
-_MODULE = "omni_kernels.attention.quantized.attention_kernel"
 
 
 def _availability(device: torch.device | None) -> str | None:
@@ -43,11 +38,10 @@ def _availability(device: torch.device | None) -> str | None:
     reason = triton_unavailable_reason(device)  # the quantizer is Triton
     if reason is not None:
         return reason
-    module, reason = lazy_import(_MODULE, "omni", "reinstall omni")
+    module, reason = omni_sage.KERNEL_MODULE.load()
     if reason is not None:
         return reason
     return module.cuda_sm90_unsupported_reason(device, 128, torch.bfloat16)
-
 
 
 # omni_sage's declaration (layouts, GQA, key lengths, LSE, lossy, not causal), narrowed to

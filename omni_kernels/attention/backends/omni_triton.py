@@ -11,27 +11,23 @@ where bfloat16 is broken, so CPU takes float16/float32; on CUDA float16/bfloat16
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
 
 from omni_kernels._triton import triton_unavailable_reason
 from omni_kernels.attention.backends._util import triton_input_check
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
-_IMPORT_ERROR: dict[str, str | None] = {}
-
-
+@functools.cache
 def _import_error() -> str | None:
-    if "error" not in _IMPORT_ERROR:
-        try:
-            importlib.import_module("omni_kernels.attention.triton_flash")
-            _IMPORT_ERROR["error"] = None
-        except Exception as exc:  # ImportError, or triton failing to initialize
-            _IMPORT_ERROR["error"] = (
-                f"omni_kernels.attention.triton_flash failed to import ({type(exc).__name__}: {exc})"
-            )
-    return _IMPORT_ERROR["error"]
+    try:
+        importlib.import_module("omni_kernels.attention.triton_flash")
+    except Exception as exc:  # ImportError, or triton failing to initialize
+        return f"omni_kernels.attention.triton_flash failed to import ({type(exc).__name__}: {exc})"
+    return None
 
 
 def _availability(device: torch.device | None) -> str | None:
@@ -59,15 +55,9 @@ SPEC = register_backend(
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=range(16, 257, 16),
         layouts=("bhsd", "bshd"),
-        causal=True,
-        causal_cross=True,
-        gqa=True,
         key_lengths=True,
-        key_padding_mask=False,
         lse=True,
-        backward=False,
         min_capability=(8, 0),
-        package=None,
         availability=_availability,
         input_check=triton_input_check,
     )

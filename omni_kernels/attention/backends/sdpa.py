@@ -29,7 +29,8 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from omni_kernels.attention.registry import BackendSpec, register_backend
+from omni_kernels.attention.registry import register_backend
+from omni_kernels.attention.spec import BackendSpec
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 
@@ -236,81 +237,54 @@ def _cpu_or_cuda(device):
     return _cuda_available(device)
 
 
-SDPA_CUDNN = register_backend(
-    BackendSpec(
-        name="sdpa_cudnn",
-        run=_runner("cudnn"),
-        description="torch SDPA, cuDNN fused attention (SDPBackend.CUDNN_ATTENTION)",
-        devices=("cuda",),
-        dtypes=_HALF,
-        head_dims=range(8, 257, 8),
-        layouts=("bhsd",),
-        key_lengths=True,
-        key_padding_mask=True,
-        lse=True,
-        backward=True,
-        min_capability=(8, 0),
-        package="torch",
-        availability=_cudnn_available,
-        input_check=_input_check("cudnn"),
+def _register(kind: str, description: str, **declared) -> BackendSpec:
+    """Register ``sdpa_{kind}``: every SDPA kernel returns the LSE and has a backward."""
+    fields = dict(
+        name=f"sdpa_{kind}", run=_runner(kind), description=description, lse=True, backward=True,
+        package="torch", input_check=_input_check(kind),
     )
+    return register_backend(BackendSpec(**{**fields, **declared}))
+
+
+SDPA_CUDNN = _register(
+    "cudnn",
+    "torch SDPA, cuDNN fused attention (SDPBackend.CUDNN_ATTENTION)",
+    dtypes=_HALF,
+    key_lengths=True,
+    key_padding_mask=True,
+    min_capability=(8, 0),
+    availability=_cudnn_available,
 )
 
-SDPA_FLASH = register_backend(
-    BackendSpec(
-        name="sdpa_flash",
-        run=_runner("flash"),
-        description="torch SDPA, FlashAttention-2 (SDPBackend.FLASH_ATTENTION); CPU flash kernel on CPU",
-        devices=("cuda", "cpu"),
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        head_dims=range(1, 257),
-        layouts=("bhsd",),
-        key_lengths=False,
-        key_padding_mask=False,
-        lse=True,
-        backward=True,
-        min_capability=(8, 0),
-        package="torch",
-        availability=_cpu_or_cuda,
-        input_check=_flash_check,
-    )
+SDPA_FLASH = _register(
+    "flash",
+    "torch SDPA, FlashAttention-2 (SDPBackend.FLASH_ATTENTION); CPU flash kernel on CPU",
+    devices=("cuda", "cpu"),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    head_dims=range(1, 257),
+    min_capability=(8, 0),
+    availability=_cpu_or_cuda,
+    input_check=_flash_check,
 )
 
-SDPA_EFFICIENT = register_backend(
-    BackendSpec(
-        name="sdpa_efficient",
-        run=_runner("efficient"),
-        description="torch SDPA, memory-efficient attention (SDPBackend.EFFICIENT_ATTENTION)",
-        devices=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        head_dims=None,
-        layouts=("bhsd",),
-        key_lengths=True,
-        key_padding_mask=True,
-        lse=True,
-        backward=True,
-        min_capability=(5, 0),
-        package="torch",
-        availability=_cuda_available,
-        input_check=_input_check("efficient"),
-    )
+SDPA_EFFICIENT = _register(
+    "efficient",
+    "torch SDPA, memory-efficient attention (SDPBackend.EFFICIENT_ATTENTION)",
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    head_dims=None,
+    key_lengths=True,
+    key_padding_mask=True,
+    min_capability=(5, 0),
+    availability=_cuda_available,
 )
 
-SDPA_MATH = register_backend(
-    BackendSpec(
-        name="sdpa_math",
-        run=_runner("math"),
-        description="torch SDPA, unfused math reference (SDPBackend.MATH)",
-        devices=("cuda", "cpu"),
-        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        head_dims=None,
-        layouts=("bhsd",),
-        key_lengths=True,
-        key_padding_mask=True,
-        lse=True,
-        backward=True,
-        package="torch",
-        availability=_cpu_or_cuda,
-        input_check=_input_check("math"),
-    )
+SDPA_MATH = _register(
+    "math",
+    "torch SDPA, unfused math reference (SDPBackend.MATH)",
+    devices=("cuda", "cpu"),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    head_dims=None,
+    key_lengths=True,
+    key_padding_mask=True,
+    availability=_cpu_or_cuda,
 )

@@ -9,7 +9,7 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
 * One program per ``(query block of BLOCK_M rows, batch * query head)``, query
   block fastest so a head's K/V stream is shared through L2. On Hopper at
   head_dim 128 the default is ``BLOCK_M = 64`` with 4 warps (one warpgroup),
-  ``BLOCK_N = 128``, 3 stages: measured fastest (see :func:`default_config`).
+  ``BLOCK_N = 128``, 3 stages (see :func:`default_config`).
 * ``S = Q_int8 K_int8^T`` is an ``int8 x int8 -> int32`` ``tl.dot`` (wgmma
   ``s8``, twice bf16's rate); it is exact, and one multiply by
   ``q_scale[row] * k_scale[block] * scale * log2(e)`` turns it into base-2 logits.
@@ -20,14 +20,11 @@ Kernel design (same skeleton as the dense :mod:`omni_kernels.attention.triton_fl
 * Two-level accumulation: each block's ``P V`` lands in a fresh float32 tile
   which is then folded into the running accumulator with an fma
   (``acc * alpha + tile``), because Hopper's FP8 MMA accumulates with reduced
-  precision (~14 bits) and must never sum across blocks. (A plain
-  ``acc * alpha + tile`` could be rewritten by Triton into ``dot(p, v, acc * alpha)``;
-  an fma is not, and is one instruction instead of two.)
+  precision (~14 bits) and must never sum across blocks (Triton may fold a plain
+  ``acc * alpha + tile`` into ``dot(p, v, acc * alpha)``; it never folds an fma).
 * V has one scale per key block, applied to the block's ``P V`` tile before the
   fold (``acc * alpha + tile * v_scale``, as :mod:`.reference` writes it), and
-  ``1 / l`` once, in the epilogue. (Keeping ``acc`` in units of the latest block
-  scale instead, one loop-carried scalar and no multiply per element, measured
-  5% slower at Flux and 0-5% at HunyuanVideo on the H200.)
+  ``1 / l`` once, in the epilogue.
 * K/V are padded to a multiple of ``BLOCK_N`` by the quantizer (zeros), so the
   loop loads without masks; only the last partial block (``Skv`` or
   ``key_lengths[b]`` not a multiple of ``BLOCK_N``) masks scores to ``-inf``.
@@ -235,24 +232,13 @@ class SageConfig:
     head_dim 128, needs the compiled extension; its tile is fixed at 128 x 128 with
     three warpgroups and a 3-stage TMA ring, so ``block_m``/``block_n`` must be 128 and
     ``num_warps``/``num_stages``/``use_tma``/``warp_specialize``/``score_bias`` describe
-    nothing for it). On the H200 the cuda_sm90 kernel alone ran 726 / 864 / 863 TFLOP/s at
-    Flux / Wan 720p / HunyuanVideo 720p against the Triton kernel's 706 / 746 / 743 (it sums
-    P through its P V MMA, masks only a partial last block, and its two consumer warpgroups
-    take turns on the tensor cores:
-    bench/results/quantized_attention_tune-sm90-pingpong_nvidia-h200_20261130.md).
-
-    The cuda_sm90 kernel takes every ``exp2`` from the special-function unit. Moving a share to
-    a polynomial on the FMA pipes (1 to 4 of every 8 scores; the option was removed) measured
-    slower on the H200 each time (Hunyuan 720p, kernel alone: 863 TFLOP/s against 818 / 828 /
-    811 / 780 at 1 / 2 / 3 / 4 eighths,
-    bench/results/quantized_attention_sm90-scheduling-variants_nvidia-h200_20261130.md and
-    quantized_attention_tune-sm90-pingpong_nvidia-h200_20261130.md).
+    nothing for it). It sums P through its P V MMA, masks only a partial last block, and
+    its two consumer warpgroups take turns on the tensor cores; it is the faster of the two
+    on Hopper (bench/results/INDEX.md).
 
     ``score_bias``: the int32 ``Q K^T`` accumulator starts from the bits of the float
     ``1.5 * 2^23`` and the scores are read back by reinterpreting and subtracting: the same
-    float32 values without an int-to-float conversion per score. Off by default: measured
-    slower on the H200 (Wan 720p: 674 vs 740 TFLOP/s for M64xN128, the same file), as was the
-    same change in the CUDA kernel (reverted there).
+    float32 values without an int-to-float conversion per score. Off by default (slower).
     """
 
     block_m: int
@@ -263,11 +249,10 @@ class SageConfig:
     warp_specialize: bool = False  # Triton's automatic producer/consumer warp specialization
     kernel: str = "triton"
     # S's int32 accumulator starts from a float bias, so the scores reach float32 without an
-    # int-to-float conversion (same values; measured slower on the H200, hence off).
+    # int-to-float conversion (same values; slower, hence off).
     score_bias: bool = False
     # cuda_sm90 only: quantize Q/K/V with omni's CUDA kernels (csrc/attention/sage_quant.cu)
-    # instead of the Triton ones. Off: on the H200 the Triton quantizer took 0.088 / 1.70 / 1.58
-    # ms at Flux / Wan 720p / Hunyuan 720p against the CUDA one's 0.154 / 3.53 / 3.34.
+    # instead of the Triton ones. Off: the Triton quantizer is the faster one.
     cuda_quantizer: bool = False
     # cuda_sm90 only: the last wave's query blocks cut into this many key ranges, merged in the
     # kernel (0: csrc/attention/sage_sm90_params.h's plan, which splits only a tail that fits
@@ -340,11 +325,8 @@ def _cuda_sm90_reason(device_type: str, index: int, head_dim: int, dtype: torch.
 
 
 _INTERPRETER_CONFIG = SageConfig(16, 16, 4, 1)
-# Measured on an H200 (Triton 3.6, torch 2.11, bf16, bench/quantized_attention_tune.py),
-# quantization included: M64xN128 w4 s3 gave 468 / 678 / 683 TFLOP/s-equivalent
-# (0.78x / 1.24x / 1.15x cuDNN) at Flux 1024^2 / Wan 720p / HunyuanVideo 720p,
-# against 409 / 642 / 646 for M128xN128 w8 s3. One warpgroup per 64 rows keeps
-# the int32 scores, P and the float32 accumulator in registers without spilling.
+# Hopper, head_dim 128: the fastest config of bench/quantized_attention_tune.py. One warpgroup
+# per 64 rows keeps the int32 scores, P and the float32 accumulator in registers without spilling.
 _HOPPER_D128_CONFIG = SageConfig(64, 128, 4, 3)
 _FALLBACK_CONFIG = SageConfig(128, 128, 8, 3)
 
@@ -352,8 +334,8 @@ _FALLBACK_CONFIG = SageConfig(128, 128, 8, 3)
 def default_config(head_dim: int, device: torch.device | str | None = None) -> SageConfig:
     """The config :func:`sage_attention_forward` uses when none is given.
 
-    * Hopper (compute capability 9.x), head_dim 128: ``M64xN128 w4 s3``, the
-      fastest measured (see ``_HOPPER_D128_CONFIG``).
+    * Hopper (compute capability 9.x), head_dim 128: ``M64xN128 w4 s3``
+      (see ``_HOPPER_D128_CONFIG``).
     * Elsewhere (head_dim 64, Ada, Blackwell): ``M128xN128 w8 s3``, not measured.
     * Under the interpreter: 16x16 blocks.
     """

@@ -14,9 +14,7 @@ these kernels produce the same bytes. Two launches:
    one scale per block).
 
 So each of Q, K and V is read once (and K's sample a second time): every scale
-is a maximum over what one program loads. (The format of the previous version,
-a mean over all keys and V scaled per channel over all tokens, needed a
-statistics pass over the whole of K and V first: ~25% of the bytes.) No PyTorch
+is a maximum over what one program loads. No PyTorch
 glue kernels between the launches. On Hopper the second launch is a
 programmatic dependent of the first (:mod:`omni_kernels._launch`): it starts
 while the K mean still runs, its V programs (first in the grid) need nothing of
@@ -52,15 +50,11 @@ from omni_kernels.attention.quantized.reference import (
 from omni_kernels.attention.triton_flash import bhs_sizes, bhs_strides
 
 # sampled keys per load of the K-mean loop (16 in the interpreter), and its warps: one program a
-# kv head is bound by memory latency, so it loads many rows at once (H200, Flux, L2 flushed:
-# 64 rows / 4 warps 30.7 us, 256 / 8 11.6 us; 4-8 programs a head summing parts were no faster
-# end to end)
+# kv head is bound by memory latency, so it loads many rows at once
 K_MEAN_BLOCK = 256
 K_MEAN_WARPS = 8
-# Q rows a program, and the codes launch's warps (V, Q and K programs alike). H200, Flux 1024^2,
-# with PDL, the codes launch / the whole quantized call: 4 warps and 64 rows 48.5 / 370.3 us,
-# 8 and 128 49.8 / 371.5 (the best while a program did K and V together), 8 and 64 54.1 /
-# 375.4, 4 and 128 70.1 / 398.9; at Qwen-Image's 6889 tokens 66.0 against 71.6 us for 8 and 128.
+# Q rows a program, and the codes launch's warps (V, Q and K programs alike): the fastest pair
+# of bench/quantized_attention_tune.py's sweep.
 Q_BLOCK = 64
 CODES_WARPS = 4
 

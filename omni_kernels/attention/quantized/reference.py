@@ -1,63 +1,35 @@
 """PyTorch reference of omni's quantized attention (SageAttention-2 style): the exact math.
 
-This module *defines* what the Triton kernels in :mod:`.quantize` and
-:mod:`.attention_kernel` compute, step by step, in float32 on any device:
+It defines, in float32 on any device, what the kernels of :mod:`.quantize` and
+:mod:`.attention_kernel` compute. Quantization (:func:`quantize_qkv_reference`), per
+``(batch, head)``:
 
-Quantization (:func:`quantize_qkv_reference`), per ``(batch, head)``:
+* **Q** per token: ``q_scale[t] = max_d |q[t]| / 127``, ``q_int8 = round(q * 127 / max)``
+  (half away from zero; a zero row gets scale 0 and codes 0).
+* **K** smoothed, then per block of ``block_n`` keys: ``k_mean`` is the mean over the keys
+  ``0, r, 2r, ...`` below the length ``L``, ``r = max(1, L // K_MEAN_SAMPLES) | 1``
+  (:func:`k_mean_stride`; odd, so it does not alias with power-of-two widths). Softmax
+  ignores the per-row constant ``q . k_mean`` the smoothing removes (the LSE adds it back).
+  ``k_scale[j] = max |k - k_mean| / 127`` over block ``j``'s valid keys; padding rows are 0.
+* **V** per key block: ``v_scale[j] = max |v| / 448`` (448: the largest e4m3 value; a
+  nonzero max is at least ``V_AMAX_FLOOR``), ``v_fp8 = fp8(v * 448 / max)`` (nearest even),
+  stored transposed ``[B, H, D, Skv_pad]``: FP8 MMA needs P V's B operand K-major.
 
-* **Q**, per token: ``q_scale[t] = max_d |q[t, d]| / 127``;
-  ``q_int8[t, d] = round(q[t, d] * (127 / max_d |q[t, d]|))`` (round half away
-  from zero; a row of zeros gets scale 0 and codes 0).
-* **K**, smoothed then per block of ``block_n`` tokens: ``k_mean[d]`` is the
-  mean of ``k[:, d]`` over a strided *sample* of the keys: keys ``0, r, 2r, ...``
-  below the length ``L`` (``Skv``, or the sample's ``key_lengths``), with
-  ``r = max(1, L // K_MEAN_SAMPLES) | 1`` (:func:`k_mean_stride`; odd, so the sample
-  does not alias with power-of-two widths), divided by the count ``ceil(L / r)``.
-  Any vector works as the smoothing vector (``kc = k - k_mean`` changes every
-  score of a query row by the same constant ``q . k_mean``, which softmax
-  ignores, and the LSE adds it back); the mean of ~512 keys centres K as well as
-  the mean of all of them on DiT inputs, and the quantizer then reads K once for
-  its codes (the sample is ~1/9 of K at Flux's 4608 keys, ~1/150 at 720p video).
-  Keys past a sample's length are padding: zeroed, outside every statistic.
-  ``k_scale[j] = max |kc| / 127`` over block ``j`` (its valid tokens, all
-  channels); ``k_int8 = round(kc * (127 / max |kc|))``; rows past ``Skv``
-  (padding up to a multiple of ``block_n``) are 0.
-* **V**, per key block of ``block_n`` tokens over all channels:
-  ``v_scale[j] = max |v| / 448`` over block ``j``'s valid tokens (448 = largest
-  float8 e4m3 value; a nonzero ``max |v|`` is raised to at least ``V_AMAX_FLOOR``,
-  ``448 * 2^-30``); ``v_fp8[t, d] = fp8(v[t, d] * (448 / max |v|))`` (round to
-  nearest even), stored **transposed** ``[B, H, D, Skv_pad]`` because the FP8
-  tensor-core instruction needs P V's B operand contiguous along the key
-  (reduction) dimension. A scale per block, not per channel over all tokens:
-  the quantizer reads V once (a block's codes need only that block's maximum).
+Attention (:func:`quantized_attention_reference`): online softmax over key blocks, as the
+kernel runs it (P's FP8 rounding depends on each block's running max):
 
-Attention (:func:`quantized_attention_reference`), online softmax over key
-blocks of ``block_n`` exactly as the kernel runs it (the FP8 rounding of P
-depends on each block's running max, so a one-shot softmax would differ):
+* ``s = (q_int8 . k_int8) * q_scale[i] * k_scale[j] * scale * log2(e)`` (the integer dot
+  is exact);
+* the running max is shifted by ``log2(448)`` so ``p = 2**(s - m)`` spans FP8's range;
+* each block's ``fp8(p) @ v_fp8`` lands in a fresh float32 tile, times ``v_scale[j]``, then
+  is added to the accumulator (FP8 MMA keeps ~14 bits: it never sums across blocks; the
+  Hopper CUDA kernel's rescaled accumulator differs by float32 rounding only);
+* ``out = acc / l`` with ``l`` the sum of the unrounded ``p``; ``lse = (m + log2(l)) * ln 2
+  + scale * q . k_mean`` (natural log, with K's mean: shards of keys merge as unquantized
+  ones do); rows with no valid key give 0 and ``-inf``.
 
-* scores in the log2 domain: ``s = (q_int8 . k_int8) * (q_scale[i] * (k_scale[j] * scale * log2(e)))``
-  (the integer dot product is exact: ``|s_int| < 127 * 127 * D``);
-* the running max is kept *shifted* by ``log2(448)``, so ``p = 2**(s - m)`` lies
-  in ``[0, 448]`` and uses FP8's whole range: ``p_fp8 = fp8(p)``;
-* each block's ``p_fp8 @ v_fp8`` is formed in a fresh float32 tile, multiplied
-  by the block's ``v_scale[j]`` and added to the running accumulator
-  (two-level accumulation: Hopper's FP8 MMA keeps only ~14 bits of its own
-  accumulator, so it never sums across blocks). The Triton kernel does just
-  this; the Hopper CUDA kernel keeps ``acc`` in units of the latest nonzero
-  block scale instead (the fold's factor becomes ``alpha * old / new``: one FMA
-  an element, the unit applied once at the end), which differs from this form
-  by float32 rounding only;
-* ``out = acc / l`` with ``l`` the sum of the (unrounded) ``p``;
-  ``lse = (m + log2(l)) * ln(2) + scale * q_kmean`` with ``q_kmean = q . k_mean``
-  of the unquantized q (float32, from the Q quantization pass): the natural-log
-  log-sum-exp of the scores *with* K's mean, which the smoothing subtracted.
-  So LSEs of attention over different key shards, each smoothed by its own
-  mean, combine as unquantized ones do (ring attention), and the mean's large
-  term carries no INT8 error; rows with no valid key give 0 and ``-inf``.
-
-Every division is correctly rounded (``top / amax`` as tensor by tensor), as
-the kernels compute it with ``div_rn``: INT8 codes of float16/bfloat16 inputs
-often sit exactly on a rounding tie.
+Every division is correctly rounded (the kernels use ``div_rn``): INT8 codes of
+float16/bfloat16 inputs often sit exactly on a rounding tie.
 """
 
 from __future__ import annotations
