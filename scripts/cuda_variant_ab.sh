@@ -7,7 +7,7 @@
 # Each VARIANT_FILE is a whole replacement for it (kept outside csrc/, which the build reads).
 # Builds the tree as it is ("head"), then each variant, incrementally (only SOURCE recompiles),
 # keeping each build's .so; restores SOURCE; runs TESTS (a pytest -k expression, default
-# "cuda_sm90 or sm90_backend", on tests/kernels/test_quantized_attention.py, GPU tests only)
+# "cuda_sm90 or sm90_backend", on tests/kernels/test_quantized_attention_*.py, GPU tests only)
 # against every variant; then ROUNDS (default 2) rounds of the timing command with the builds
 # alternating process by process (head, v1, v2, head, v1, v2, ...): drift between runs of one
 # call then shows as a difference between rounds, not between builds. The timing command gets
@@ -68,7 +68,7 @@ restore
 so=$(extension)
 for n in "${names[@]:1}"; do
     cp "$work/$n.so" "$so"
-    python3 -m pytest -q -m gpu tests/kernels/test_quantized_attention.py -k "$tests" 2>&1 | tail -1 | sed "s/^/TEST $n: /"
+    python3 -m pytest -q -m gpu tests/kernels/test_quantized_attention_*.py -k "$tests" 2>&1 | tail -1 | sed "s/^/TEST $n: /"
 done
 for _ in $(seq "$rounds"); do
     for n in "${names[@]}"; do

@@ -48,7 +48,7 @@ MODULATION = {
     "single_transformer_blocks.*.norm.linear": "fp8_weight_only",
 }
 # Relative L2 error of the tiny Flux against its unquantized float32 output: FP8 W8A8 everywhere
-# measured up to 5% on the tiny families (tests/diffusion/test_quantization.py allows 10%);
+# measured up to 5% on the tiny families (tests/diffusion/test_quantization_swap.py allows 10%);
 # weight-only modulation linears only lower it.
 MODEL_TOLERANCE = 0.10
 

@@ -1,7 +1,7 @@
 """omni_kernels._launch: when kernels launch as programmatic dependents (PDL), and OMNI_PDL.
 
 The GPU side (outputs with PDL equal those without, eager and in a CUDA graph, with the
-quantized buffers of one call reused by the next) is in test_quantized_attention.py."""
+quantized buffers of one call reused by the next) is in test_quantized_attention_sm90.py."""
 
 from __future__ import annotations
 
