@@ -1,49 +1,32 @@
 #!/usr/bin/env python3
 """Benchmark of omni's attention backends on diffusion-transformer shapes (one GPU, one process).
 
-For each model shape (bf16, non-causal, ``[B, H, S, D]``), every backend that
-loads runs the same inputs through :func:`omni_kernels.attention.attention`
-(``backend=<name>``, so the dispatch cost is included): omni's Triton kernel
-(``omni_triton``) beside torch SDPA's cuDNN, flash and memory-efficient kernels,
-and flash-attn 2/3, FlashInfer, SageAttention (lossy) and xFormers when they are
-installed. A backend that does not load is recorded with the reason (package
-missing, extension built for another torch, ...), and one that cannot take a
-shape with the constraint it violates; the run goes on.
+For each model shape (bf16, non-causal, ``[B, H, S, D]``), every backend that loads runs the
+same inputs through :func:`omni_kernels.attention.attention` (``backend=<name>``, so the
+dispatch cost is included): omni's kernels (``omni_triton``, the quantized ``omni_sage*``)
+beside the peers torch SDPA (cuDNN, flash, memory-efficient), flash-attn 2/3, FlashInfer,
+SageAttention (lossy) and xFormers when installed. A backend that does not load is recorded
+with the reason, one that cannot take a shape with the constraint it violates; the run goes on.
 
-* time: ``triton.testing.do_bench(..., return_mode="median")`` (L2 flushed before
-  each call); rep/warmup shrink for the large video shapes so the whole run stays
-  within a few minutes.
-* TFLOP/s: ``4 * B * H * Sq * Skv * D / time`` (two matmuls, non-causal).
-* ratio: time of ``sdpa_cudnn`` / time of the backend (> 1 is faster than cuDNN).
-* rel err: ``||out - ref|| / ||ref||`` against a float32 reference (SDPA's
-  memory-efficient kernel on float32 copies, a few heads at a time), on the
-  shapes with ``Sq * Skv <= --accuracy-max-scores`` (default: all but Wan 720p
-  and HunyuanVideo).
-* dispatch us: host time of omni's backend selection per call (no GPU work).
-* inputs: ``torch.randn`` (default, as ``ANCHORS.md``), or with ``--inputs dit`` DiT-like
-  activations (``reference.dit_like_qkv``: outlier channels in Q and K, a K bias): on randn the
-  FP8 kernels sit at FP8's floor for zero-mean V (~4e-2 rel err), on DiT-like inputs they show
-  their real error; a power-capped GPU also clocks lower on them. Output files get ``-dit``.
-* GPU clock and power: ``nvidia-smi`` samples (``gpu_telemetry.py``) while each row is timed,
-  for rows timed long enough (the video shapes): an H200 at its 700 W cap lowers the clock, and
-  there a speed ratio between two capped kernels is a ratio of their energy per unit of work.
+Per row: the time (``triton.testing.do_bench`` median, L2 flushed); TFLOP/s
+(``4 * B * H * Sq * Skv * D / time``); the ratio to ``sdpa_cudnn`` (> 1 is faster); the
+relative error against a float32 reference where ``Sq * Skv <= --accuracy-max-scores``; the
+host time of omni's backend selection; the GPU clock and power (``gpu_telemetry.py``) for rows
+timed long enough, since a power-capped GPU lowers its clock. ``--inputs dit`` uses DiT-like
+activations (outlier channels in Q and K, a K bias) instead of ``torch.randn``: on randn the
+FP8 kernels sit at FP8's floor for zero-mean V, on DiT-like inputs they show their real error.
 
-Output: ``<out-dir>/attention_<device>_<YYYYMMDD>.json`` and ``.md`` with the
-commit, device, versions and the exact command; the markdown is printed last.
-``--write-auto-table`` rewrites this GPU's entry (``sm90`` on an H100/H200) of
-``omni_kernels/attention/auto_table.json``: backends ranked by their median
-TFLOP/s over the shapes, lossless ones only unless ``--table-include-lossy``
-(a copy goes to the out-dir too).
+``--lossy-sweep`` instead times self-attention lengths (``SWEEP_LENGTHS``, 24 heads x 128) for
+``sdpa_cudnn`` and the lossy backends, and reports each one's crossover: the shortest length
+from which it is at least ``SWEEP_MIN_GAIN`` times as fast as cuDNN at every longer length
+(quantization costs time linear in the sequence, attention quadratic).
 
-``--lossy-sweep`` runs instead a sweep of self-attention lengths (``SWEEP_LENGTHS``
-at 24 heads x 128) for ``sdpa_cudnn`` and the lossy backends among ``--backends``,
-and reports each lossy backend's crossover: the shortest swept length from which
-it is at least ``SWEEP_MIN_GAIN`` times as fast as cuDNN at every longer length
-(quantization costs time linear in the sequence, attention quadratic, so a
-quantized kernel wins only past some length). With ``--write-auto-table`` it
-rewrites only the lossy part of this GPU's entry: those backends go first in the
-ranking, with their crossovers as ``lossy_min_seq`` (``"auto"`` with lossy
-allowed skips a backend below its crossover); the lossless ranking is kept.
+Record: ``<out-dir>/attention_<device>_<YYYYMMDD>.json`` and ``.md`` (``-dit`` with DiT-like
+inputs) with the commit, device, versions and command; the markdown is printed last.
+``--write-auto-table`` rewrites this GPU's entry of ``omni_kernels/attention/auto_table.json``
+(a copy goes to the out-dir): backends ranked by median TFLOP/s, lossless ones only unless
+``--table-include-lossy``; after a sweep only the lossy part, with the crossovers as
+``lossy_min_seq``.
 
     python3 bench/attention.py [--shapes flux sd35 ...] [--backends omni_triton sdpa_cudnn ...]
     python3 bench/attention.py --lossy-sweep --backends sdpa_cudnn omni_sage omni_sage_sm90 --write-auto-table

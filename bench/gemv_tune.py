@@ -8,36 +8,26 @@ This sweeps the launcher's knobs on the same inputs in one process, for each sha
 (``flux-adaln-double`` 3072 -> 18432, ``flux-adaln-single`` 3072 -> 9216), weight dtype (INT8,
 FP8) and row count (M = 1, 2):
 
-* ``bf16``: ``F.linear`` on the unquantized bf16 weight (cuBLAS), the baseline;
-* ``default``: the launcher without knobs (the reference every setting's output is checked
-  against), and ``op``: ``torch.ops.omni_kernels.weight_only_gemv_triton`` (what
-  ``QuantizedLinear`` calls; the difference is host overhead only);
-* ``coarse``: a fixed grid over the CUDA-core path (``use_dot=False``: tiles ``block_n x
-  block_k`` of 4 to 16 KiB of weight, 4 or 8 warps, 1 or 3 stages: 3 pipelines the weight
-  loads with cp.async, 1 does not, like the default; for the 8 and 16 KiB tiles also
-  ``x_tile_load=True`` unpipelined, labels ``...-xt``: ``x`` read in the weight tile's layout,
-  no shared-memory barriers in the loop) and the ``tl.dot`` path (16-row tile), pruned
-  (:func:`prune_reason`: accumulators over 128 registers a thread, threads without a 16-byte
-  weight vector, pipelines over 160 KiB of shared memory, ``split_k`` where the column blocks
-  fill the GPU) and capped at ``--coarse-cap`` settings;
-* ``refine``: the neighbours of the ``--refine-top`` fastest (one knob one step away:
-  ``x_tile_load`` flipped on the CUDA-core path, block sizes, warps 2/4/8, stages 1-4,
-  ``split_k``), capped at ``--refine-cap``.
+* ``bf16``: ``F.linear`` on the unquantized weight (cuBLAS), the baseline; ``default``: the
+  launcher without knobs (the reference for every setting's output); ``op``: the custom op
+  ``QuantizedLinear`` calls (the difference is host overhead only);
+* ``coarse``: a grid over the CUDA-core path (weight tiles of 4 to 16 KiB, 4 or 8 warps, 1 or
+  3 stages, ``x_tile_load`` for the larger tiles: labels ``...-xt``) and the ``tl.dot`` path,
+  pruned by :func:`prune_reason` and capped at ``--coarse-cap``;
+* ``refine``: the neighbours (one knob one step away) of the ``--refine-top`` fastest, capped
+  at ``--refine-cap``.
 
-Kernels are compiled first, in ``--jobs`` worker processes (into Triton's on-disk cache, which
-the timing process then loads) and the default sweep (8 cases, ~50 settings each) stays
-short. Median of ``triton.testing.do_bench`` (L2
-flushed before each call), launched outside ``torch.library.wrap_triton``'s tracing path (as the op's eager and
-Inductor-generated calls are). ``weight GB/s``: bytes of the weight (8-bit, or bf16 for the
-baseline) over the median. ``host us``: the launcher's CPU time a call; where it exceeds the
-L2 flush's GPU time, do_bench's median includes idle GPU time, so the default, ``op``, bf16 and
-each case's best are also timed with a GPU sleep before each call that covers the launch
-(``padded us``). ``regs``/``spills``/``smem``: of the compiled GEMV kernel (Triton's).
+Kernels are compiled first in ``--jobs`` worker processes (into Triton's on-disk cache). Times:
+median of ``triton.testing.do_bench`` (L2 flushed), launched outside ``wrap_triton``'s tracing
+path as the op's eager and Inductor calls are; ``weight GB/s``, the weight's bytes over the
+median; ``host us``, the launcher's CPU time a call (where it exceeds the flush's GPU time, the
+default, ``op``, bf16 and each case's best are also timed behind a GPU sleep: ``padded us``);
+``regs``/``spills``/``smem`` of the compiled kernel. A setting within 1e-5 relative L2 of the
+default is ``ok``, one off by a bf16 rounding step in some values (K summed in another order)
+``ok (one rounding step)``; anything else is reported as differing and never chosen as best.
 
-Every setting's output is compared with the default's: relative L2 <= 1e-5 is ``ok``; outputs
-that differ only by one bf16 rounding step in some values (another block_k, split or warp count
-sums K in another order, and the float32 sums round to bf16 apart; ~1e-4 relative L2) are
-``ok (one rounding step)``; anything else is reported as differing and never chosen as the best.
+Record: ``<out-dir>/gemv_tune[-<tag>]_<device>_<date>.json`` and ``.md`` (the grid, each
+setting's timings and check); the table is printed.
 
     python3 bench/gemv_tune.py
 """

@@ -1,66 +1,32 @@
 #!/usr/bin/env python3
 """Benchmark of omni's FP8/INT8 linear layers against bf16 ``nn.Linear``, and a Flux-shaped step.
 
-Part 1, linear layers, on one GPU, per shape ``M x K -> N`` (Flux.1 at 1024^2: 4608 tokens,
-3072->3072, 3072->12288, 12288->3072; Wan2.1-14B at 720p/81 frames: 75600 tokens,
-5120->5120, 5120->13824, 13824->5120), bf16 activations with outlier channels:
-
-* ``bf16``: ``F.linear`` (cuBLAS), the baseline.
-* ``omni-fp8``: :class:`omni_kernels.quant.QuantizedLinear` ``"fp8"`` as it comes (backend
-  ``auto``: on Hopper omni's cuBLASLt GEMM with a cached plan tuned on its first call,
-  ``"cublaslt"``; per-token activation quantization + the row-wise FP8 GEMM,
-  ``fast_accum="auto"``: fast accumulation up to K=8192, promoted above; in eager mode one op,
-  ``omni_kernels::quantized_linear_fp8``, runs both from C++); ``omni-fp8-aten`` the same with
-  ``torch._scaled_mm`` as the GEMM (backend ``aten``); ``omni-fp8-two-calls`` the
-  same kernels through the two Python calls (``quantize_per_token``, then ``scaled_mm``), as
-  eager layers ran before the one-op path; ``omni-fp8-precise`` / ``omni-fp8-fast``
-  the same with promotion / fast accumulation forced; ``omni-fp8-triton`` omni's Triton GEMM;
-  ``omni-fp8-triton-quant`` ``omni-fp8`` with the activation quantized by omni's Triton kernel
-  (eager ``auto`` takes the CUDA one for plain rows up to 24576 values).
-* ``omni-int8``: ``"int8"`` with the Triton GEMM (dequantization fused in its epilogue);
-  ``omni-int8-aten`` with ``torch._int_mm`` and a separate epilogue.
-* ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}``: weight-only layers (``triton_gemv``:
-  omni's GEMV for ``M <= 16``, skipped at the larger shapes).
-* ``torchao-fp8-dynamic``: torchao's ``Float8DynamicActivationFloat8WeightConfig``
-  (per-row), when torchao imports; recorded as unavailable otherwise.
-* ``quant-cuda`` / ``quant-triton``: the activation quantization alone (FP8), and
-  ``gemm-fp8-aten`` / ``gemm-fp8-cublaslt`` the FP8 GEMM alone: where the W8A8 time goes. The
-  cuBLASLt plans (the algorithm each problem runs, and for tuned plans the heuristic's first
-  choice's time beside the chosen one's) are listed under the tables.
-* ``bf16+gelu`` / ``omni-fp8+gelu``, at the MLP/FFN down projections only (their input is a
-  GELU's output): the GELU and the layer as the model runs them, bf16 ``F.gelu`` then
-  ``F.linear`` against omni's GELU fused into the FP8 activation quantization
-  (``quantize_activated_per_token``) then the FP8 GEMM; their speedup is against
-  ``bf16+gelu``. The issue's per-shape figure stays the plain rows'.
-
-Opt-in shape group ``flux-adaln`` (``--shapes flux-adaln``; not in the default run): Flux's adaLN
-modulation linears, one row per sample (``M`` = batch = 1 or 2): ``transformer_blocks.*.norm1.linear``
-/ ``norm1_context.linear`` 3072 -> 18432 and ``single_transformer_blocks.*.norm.linear`` 3072 -> 9216.
-They are bound by reading the weight: their tables give the weight's read bandwidth (bytes of the
-weight, 8-bit plus its float32 scales or bf16, over the median time) instead of TFLOP/s, and compare
-bf16 ``F.linear`` with the weight-only layers (and ``omni-fp8``/``omni-int8`` W8A8 for reference).
+Part 1, linear layers (one GPU), per shape ``M x K -> N`` of Flux.1 at 1024^2 (4608 tokens) and
+Wan2.1-14B at 720p (75600 tokens), bf16 activations with outlier channels. Rows: ``bf16``
+(``F.linear``, the baseline); ``omni-fp8``, :class:`QuantizedLinear` ``"fp8"`` as it comes
+(backend ``auto``: on Hopper omni's tuned cuBLASLt GEMM; eager, one C++ op quantizes and
+multiplies), and its forms ``-aten``, ``-triton``, ``-triton-quant``, ``-two-calls`` (the two
+Python calls), ``-precise`` / ``-fast`` (accumulation forced); ``omni-int8`` (Triton GEMM) and
+``-aten`` (``torch._int_mm``); weight-only ``omni-{fp8,int8}-wo-{aten,triton,triton_gemv}`` (the
+GEMV for ``M <= 16``); the peer ``torchao-fp8-dynamic`` (per-row, when torchao imports);
+``quant-*`` and ``gemm-fp8-*``, the activation quantization and the FP8 GEMM alone (where the
+W8A8 time goes; the cuBLASLt plans are listed under the tables); ``bf16+gelu`` /
+``omni-fp8+gelu`` at the MLP down projections, the GELU and the layer as the model runs them.
+``--shapes flux-adaln`` (opt-in) times Flux's adaLN modulation linears at one row a sample,
+bound by the weight read: their tables give its bandwidth instead of TFLOP/s.
 
 Every W8A8 time includes the activation quantization. Times are medians over ``--rounds``
-rounds (default 3; a round times every variant of the shape once, in turn) of
-``triton.testing.do_bench`` medians (L2 flushed before each call). ``rel err`` is
-against a float32 GEMM of the unquantized operands on the first 2048 rows.
+rounds (each times every variant once, in turn) of ``triton.testing.do_bench`` medians (L2
+flushed); ``rel err`` is against a float32 GEMM of the unquantized operands on 2048 rows.
 
-Part 2, one Flux-shaped transformer step: ``FluxTransformer2DModel`` at its default
-(Flux.1) config, 11.9B random bf16 weights, 1024^2 (4096 image + 512 text tokens);
-bf16 eager, FP8 eager, FP8 with ``torch.compile`` (the repeated blocks compiled,
-``fullgraph=True`` when it traces) and INT8 eager; the embedders, ``norm_out`` and
-``proj_out`` stay bf16. ``fp8-eager-fused-norm-rope``: FP8 eager with the Flux adapter's
-fused QK-norm + RoPE attention processor as well (the other eager cost besides the linears;
-``omni_diffusion.AccelConfig.fused_norm_rope``), removed again before the compiled row;
-``fp8-eager-fused-norm-rope-aten`` the same with ``torch._scaled_mm`` as every layer's GEMM
-(backend ``aten``) instead of ``auto``'s choice (on Hopper omni's cached cuBLASLt plans). Median of timed steps (CUDA events), relative L2 error of
-each output against the bf16 step, model memory and peak memory of a step.
+Part 2 (``linear_step.py``): one Flux.1-shaped transformer step (random bf16 weights, 4096
+image + 512 text tokens): bf16 eager, FP8 eager (also with the fused QK-norm + RoPE processor,
+and with ``aten`` GEMMs), FP8 compiled, INT8 eager; the embedders, ``norm_out`` and
+``proj_out`` stay bf16. Median step time (CUDA events), relative L2 error against bf16, memory.
 
-Output: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md``; the markdown is
-printed last. The transformer step runs first; ``--budget-s`` (default 210) stops
-optional measurements (the extra linear variants, the INT8 step) and ``--hard-budget-s``
-(default 270) every measurement, so one run stays within a device call's limit; what was
-skipped is recorded.
+Record: ``<out-dir>/linear_<device>_<YYYYMMDD>.json`` and ``.md`` (the markdown printed last).
+The step runs first; ``--budget-s`` stops the optional measurements and ``--hard-budget-s``
+every one, so a run fits a device call; what was skipped is recorded.
 
     python3 bench/linear.py [--shapes flux wan] [--skip-transformer] [--out-dir DIR]
     python3 bench/linear.py --shapes flux-adaln --skip-transformer   # the modulation GEMVs alone

@@ -3,50 +3,32 @@
 
 One process per GPU (NCCL; gloo on CPU for ``--smoke``). Every rank builds the same
 random-weight transformer of ``bench/pipeline.py`` (``flux``: FLUX.1-dev shape at 1024²;
-``wan``: Wan2.1-14B shape at 480p/81 frames; ``--smoke``: their tiny CPU versions) and the
-same inputs. Rank 0 first times the plain model on its own GPU (the 1-GPU baseline, same
-process, same inputs, same attention backend) while the other ranks wait; then, for each
-strategy, every rank applies it with ``omni_diffusion.accelerate(model,
-AccelConfig(..., parallel=ParallelConfig(...)))``, the forward is timed on all ranks
-together, and the strategy is undone before the next one:
+``wan``: Wan2.1-14B shape at 480p/81 frames; ``--smoke``: tiny CPU versions) and the same
+inputs. Rank 0 first times the plain model on its own GPU (the 1-GPU baseline) while the other
+ranks wait; then each strategy is applied on every rank with ``omni_diffusion.accelerate(model,
+AccelConfig(..., parallel=ParallelConfig(...)))``, timed on all ranks together, and undone:
+``ulysses`` (``ulysses=N``), ``ring`` (``ring=N``), ``usp`` (``ulysses=2, ring=N/2``), ``tp``
+(``tp=N``: attention projections and MLPs sharded), ``cfg`` (``cfg=2``, N = 2) and
+``cfg_ulysses`` (``cfg=2, ulysses=N/2``).
 
-* ``ulysses``: ``ParallelConfig(ulysses=N)``; ``ring``: ``ring=N``;
-* ``usp``: ``ulysses=2, ring=N/2`` (N >= 4, even);
-* ``tp``: ``tp=N`` (attention projections and MLPs sharded, one all-reduce per sub-block);
-* ``cfg``: ``cfg=2`` (N = 2: one rank per guidance branch);
-* ``cfg_ulysses``: ``cfg=2, ulysses=N/2`` (N >= 4, even: each branch on N/2 ranks).
+The first four time one transformer forward against rank 0's plain forward. The two CFG
+strategies time one true-CFG step (a conditional and an unconditional call on the same latents,
+combined as ``uncond + scale * (cond - uncond)``) against rank 0's plain step. omni splits the
+two calls over ranks by wrapping the *pipeline's* ``__call__`` (``accelerate`` refuses
+``cfg > 1`` on a bare transformer), so :class:`TrueCFGStep` is the smallest such pipeline: it
+holds the transformer and both branches' inputs and takes the arguments the family's
+``CFGInfo`` names. The stack (``--attention``, ``--compile``, ``--quant fp8|int8``) is the same
+for the baselines and every strategy; without ``--compile`` a Flux-sized model is bound by each
+rank's kernel launches, so eager scaling understates what the stack reaches.
 
-The first four time one transformer forward against rank 0's plain forward (the
-*forward* baseline). The two CFG strategies time one true-CFG denoising step against rank
-0's plain step (the *CFG-step* baseline): a conditional transformer call, then an
-unconditional one on the same latents with the negative prompt's embeddings (random, of the
-same shape), combined as ``uncond + scale * (cond - uncond)`` -- how Wan's pipelines, and
-Flux's with ``true_cfg_scale > 1`` and a negative prompt, run a step (two forwards). Omni
-splits those two calls over ranks by wrapping the *pipeline's* ``__call__`` (the adapters
-declare Flux and Wan CFG as separate calls, so ``accelerate`` refuses ``cfg > 1`` on a
-bare transformer); :class:`TrueCFGStep` is the smallest such pipeline: it holds the
-transformer and both branches' inputs, and its call takes the arguments the family's
-``CFGInfo`` names (the guidance scale, the negative prompt), from which omni learns that
-the unconditional call will happen. The step is accelerated as a whole, so the stack and
-the parallel config reach its transformer the same way for baseline and strategies.
-
-The acceleration stack is the same for both baselines and every strategy: omni's attention
-(``--attention``), and with ``--compile`` regional ``torch.compile`` of the blocks, with
-``--quant fp8|int8`` W8A8 linear layers, all through ``omni_diffusion.accelerate`` (with
-``AccelConfig.parallel`` for the strategies), undone between runs. Without them the forwards
-are eager, where a Flux-sized model is bound by each rank's kernel launches (every rank
-still launches every kernel), so eager scaling understates what the stack reaches.
-
-Per strategy: the time of what it measures (forward or CFG step; median over ``--iters``
-after ``--warmup``, the slowest rank's median), the speed-up and the scaling efficiency
-(speed-up / N) against its baseline, each rank's peak memory, and the relative error of
-rank 0's output (the forward output, or the guided noise prediction) against its
-baseline's. Rank 0 writes ``parallel_scaling_<model>_x<N>_<device>_<date>.json`` and
-``.md`` to ``--out-dir`` and prints the table.
+Per strategy: the median time over ``--iters`` after ``--warmup`` (the slowest rank's), the
+speed-up and scaling efficiency (speed-up / N) against its baseline, each rank's peak memory,
+and the relative error of rank 0's output against the baseline's. Record (rank 0):
+``parallel_scaling_<model>_x<N>_<device>_<date>.json`` and ``.md`` in ``--out-dir``; the table
+is printed.
 
     torchrun --nproc_per_node 2 bench/parallel_scaling.py --model flux
     torchrun --nproc_per_node 8 bench/parallel_scaling.py --model wan --compile --quant fp8
-    torchrun --nproc_per_node 4 bench/parallel_scaling.py --model wan --strategies ulysses cfg_ulysses
     torchrun --nproc_per_node 2 bench/parallel_scaling.py --smoke --model flux   # CPU check
 """
 

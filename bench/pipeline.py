@@ -1,86 +1,31 @@
 #!/usr/bin/env python3
 """Per-step time of full-size diffusion transformers under omni's acceleration stacks (one GPU).
 
-Models (random bf16 weights at full width, built on the GPU; only the
-transformer: no text encoders, no VAE; synthetic inputs of the real shapes):
+Models (random bf16 weights at full width, built on the GPU; the transformer only, synthetic
+inputs of the real shapes; the modules diffusers keeps in float32 stay float32): ``flux``,
+FLUX.1-dev-shaped (19 + 38 blocks) at 1024x1024, 4096 image + 512 text tokens, one forward a
+step; ``wan``, Wan2.1-T2V-14B-shaped (40 blocks) at 480x832 and 81 frames (32,760 tokens), two
+forwards a step (classifier-free guidance).
 
-* ``flux``: FLUX.1-dev-shaped ``FluxTransformer2DModel`` (19 + 38 blocks, 24 x 128
-  heads) at 1024x1024: 4096 image tokens + 512 text tokens, guidance embedded,
-  one transformer forward per denoising step.
-* ``wan``: Wan2.1-T2V-14B-shaped ``WanTransformer3DModel`` (40 blocks, 40 x 128
-  heads) at 480x832, 81 frames: latents ``[1, 16, 21, 60, 104]`` (32,760 tokens),
-  512 text tokens; classifier-free guidance makes a step two forwards.
+Variants (``VARIANT_LABELS``), each applied to the same model and undone before the next: the
+peers (a) diffusers eager and (b) diffusers ``compile_repeated_blocks``; (c) omni's attention
+(its auto choice and fused QK-norm + RoPE processor) + regional compile; (d0) (c) + FP8 linears,
+q/k/v not fused; (d) (c) + ``quant="fp8"`` with its defaults (q/k/v triples fused, MLP GELUs
+folded into the quantization, LayerNorm + adaLN outputs quantized once where the adapter
+declares the blocks, the other activation quantizations left to Inductor); (e) (d) + omni's
+quantized attention, skipped with the reason where it cannot run; (f) (d) + the peer
+SageAttention 1.0.6. The ablations of (d) (d1-d9, e1, g) run only when ``--variants`` names them.
 
-Modules diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's
-time embedder, norms, modulation tables) are float32 here too.
+Per variant: the first call (with compilation), the median and min forward time over
+``--iters`` calls after ``--warmup`` (CUDA events), the step time with each forward
+synchronized and with forwards back to back as a denoising loop runs them, the speedup over
+(a), the output's relative error against (a), and the peak GPU memory; then the targets of
+issue 6 (Flux step <= 90 ms for (d), Wan >= 1.5x (a) for (e)). Random weights say nothing
+about image quality.
 
-Variants (each applied to the same model and undone before the next):
-
-(a) ``eager``: diffusers as it is (its native SDPA attention), eager.
-(b) ``diffusers_compile``: ``transformer.compile_repeated_blocks(fullgraph=True)`` (inductor).
-(c) ``omni_lossless``: ``omni_diffusion.accelerate(AccelConfig(attention="auto", compile=True))``:
-    omni's attention registry (its per-GPU auto choice) + regional compile; on a GPU its
-    defaults include the family's fused QK-norm + RoPE attention processor
-    (``fused_norm_rope``, auto; (d5) measures (d) without it).
-(d0) ``omni_fp8_unfused``: (c) + ``quant="fp8"`` with ``fuse_projections=False``: every
-    q/k/v projection quantizes its input and runs its GEMM on its own.
-(d) ``omni_fp8``: (c) + ``quant="fp8"`` (FP8 W8A8 linears, omni_diffusion.quantization), its
-    defaults: the attention q/k/v triples fused into one linear each (one activation
-    quantization, one GEMM), the MLP GELUs folded into the quantization of the layers reading
-    them (omni's Triton kernel reads the pre-activation once: ``fuse_activations``), the
-    blocks' LayerNorm + adaLN outputs quantized once in omni's fused kernel for all the
-    layers reading them (``fuse_norms``, where the adapter declares the blocks: Flux), and
-    under compile the other activation quantizations as torch ops that Inductor fuses into
-    the op producing the input.
-(d7) ``omni_fp8_unfused_norms`` (only when asked for with ``--variants``): (d) with
-    ``fuse_norms=False``: the blocks' own forwards, each layer's quantization of the modulated
-    norm output fused by Inductor (the (d) of earlier runs); (d7) vs (d) is the gain of the
-    norm-fused forwards.
-(d3) ``omni_fp8_unfolded`` (only when asked for with ``--variants``): (d) with
-    ``fuse_activations=False``: the GELUs stay modules and Inductor fuses GELU + quantization
-    (the (d) of earlier runs); (d3) vs (d) is the gain of the folded GELU.
-(d4) ``omni_fp8_cuda_graphs`` (only when asked for with ``--variants``): (d) with the compiled
-    blocks captured as CUDA graphs (``cuda_graphs=True``, compile mode ``reduce-overhead``).
-(d8) ``omni_fp8_int8_modulation`` (only when asked for with ``--variants``): (d) with the
-    adaLN modulation linears the model spec names (``ModelSpec.modulation_linears``, kept bf16
-    by the adapter) as INT8 weight-only layers (omni's Triton GEMV at one row a sample).
-(d9) ``omni_fp8_int8_modulation_cuda_graphs`` (only when asked for with ``--variants``): (d8)
-    with CUDA graphs as in (d4): the GEMV launches' host cost, which (d8) pays in eager
-    dispatch, is replayed from the graph.
-(d5) ``omni_fp8_diffusers_norm_rope`` (only when asked for with ``--variants``): (d) with
-    ``fused_norm_rope=False``: diffusers' QK RMSNorm and RoPE (compiled by Inductor) instead of
-    omni's fused kernel; (d5) vs (d) is the gain of the fused processor (Flux).
-(g) ``omni_fp8_eager`` (only when asked for with ``--variants``): (d) without compile: omni
-    attention, FP8 linears with their kernels, the fused QK-norm + RoPE processor, all eager;
-    what a user who does not compile gets, against (a).
-(d1) ``omni_fp8_kernel_quant`` (only when asked for with ``--variants``): (d) with the
-    activation quantization as omni's CUDA/Triton kernel op even under compile (opaque to
-    Inductor); (d1) vs (d) is the gain of the Inductor-fused quantization.
-(d2) ``omni_fp8_split_quant`` (only when asked for with ``--variants``): (d) with
-    ``activation_backend="split"``: under compile, linears with ``in_features <= 8192``
-    quantize with Inductor-fused torch ops as in (d), wider ones (Flux: the single
-    blocks' ``proj_out``, K=15360, and the double blocks' MLP down projection, K=12288)
-    with omni's kernel op as in (d1).
-(e) ``omni_fp8_sage``: (d) with omni's quantized attention (``attention="omni_sage"``,
-    lossy); skipped, with the reason, when it cannot run here (no FP8 tensor cores).
-(f) ``fp8_sageattention``: (d) with the peer SageAttention 1.0.6 instead, for comparison.
-(e1) ``omni_fp8_sage_sm90`` (only when asked for with ``--variants``): (e) with omni's Hopper
-    CUDA kernel (``attention="omni_sage_sm90"``: wgmma, TMA; Q/K/V quantized by the Triton kernels).
-
-Per variant: the first call (includes compilation) in seconds, then the median
-(and min) forward time over ``--iters`` calls after ``--warmup`` calls (CUDA
-events), the step time (forward x forwards per step), the speedup over (a),
-the relative error ``||out - out_a|| / ||out_a||`` of the forward output
-against (a) on the same inputs, and the peak GPU memory. Random weights say
-nothing about image quality: caching is not measured here (it is judged on a
-trained model).
-
-Targets (issue 6): Flux step <= 90 ms for (d); Wan step >= 1.5x (a) for (e).
-
-Output: ``<out-dir>/pipeline_<device>_<YYYYMMDD>.json`` and ``.md`` (``pipeline-<models>_...``
-when only some models run) with the commit, device, versions and the command;
-the markdown is printed last. ``$OMNI_PIPELINE_MODELS`` (e.g. ``flux``) sets the
-default of ``--models``, so ``scripts/device_gpu.sh`` can run one model per call.
+Record: ``<out-dir>/pipeline_<device>_<YYYYMMDD>.json`` and ``.md`` (``pipeline-<models>_...``
+when only some models run) with the commit, device, versions and command; the markdown is
+printed last. ``$OMNI_PIPELINE_MODELS`` sets the default of ``--models``.
 
     python3 bench/pipeline.py [--models flux wan] [--variants eager omni_fp8 ...] [--out-dir DIR]
 """

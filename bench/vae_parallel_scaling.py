@@ -2,50 +2,33 @@
 """Multi-GPU scaling of a VAE decode under omni's VAE parallelism, tile vs spatial (torchrun).
 
 One process per GPU (NCCL; gloo on CPU for ``--smoke``). ``--model`` names one or more VAEs
-(default both), run one after the other; for each, every rank builds the same random-weight VAE
-and the same latent (seeded, so identical on every rank):
+(default both), each built on every rank with the same random weights and seeded latent:
+``wan``, ``AutoencoderKLWan`` with Wan2.1's config decoding 720p x 81 frames (latent
+``[1, 16, 21, 90, 160]``; ``--frames`` shortens it), and ``flux``, ``AutoencoderKL`` with
+FLUX.1's config decoding 2048x2048 (latent ``[1, 16, 256, 256]``), both bf16 with diffusers'
+own tile sizes; ``--smoke``: tiny float32 versions of both on the CPU (seconds).
 
-* ``wan``: ``AutoencoderKLWan`` with Wan2.1's config (widths 96-384, 8x spatial, 4x temporal),
-  bf16, decoding 720p x 81 frames: latent ``[1, 16, 21, 90, 160]`` -> video
-  ``[1, 3, 81, 720, 1280]`` (``--frames`` shortens it: 4k+1 frames);
-* ``flux``: ``AutoencoderKL`` with FLUX.1's config (16 latent channels, block_out_channels
-  ``(128, 256, 512, 512)``, no quant convs), bf16, decoding 2048x2048: latent
-  ``[1, 16, 256, 256]`` -> image ``[1, 3, 2048, 2048]``;
-* ``--smoke``: tiny versions of both (a few channels, small latents, small tiles), float32 on
-  the CPU, so the whole run takes seconds.
+Rank 0 first decodes alone while the other ranks wait: untiled (the baseline of spatial mode,
+whose output equals it) and diffusers' tiled decode (the baseline of tile mode). Then each mode
+is applied on every rank with ``parallelize_vae(vae, world_group, mode, ...)``, timed on all
+ranks together, and undone with ``unparallelize_vae``: ``tile`` spreads diffusers' tiles over
+the ranks; ``spatial`` splits the feature map along its height through the whole decoder (halo
+exchange at the convolutions, all-reduced GroupNorm statistics) and gathers the rows at the end.
 
-Both use diffusers' own tile sizes (``--smoke``: smaller ones, so the tiny latents are tiled).
-Rank 0 first decodes on its own while the other ranks wait: the **untiled** decode
-(``vae.decode`` with tiling off, the 1-GPU baseline of spatial mode: spatial output equals it)
-and diffusers' **tiled** decode (the baseline of tile mode: tile output equals it). Then for
-each mode every rank applies ``parallelize_vae(vae, world_group, mode, output_rank=...,
-halo_backend=...)``, the decode is timed on all ranks together, and ``unparallelize_vae``
-undoes it before the next mode:
+Per run: the decode time (median over ``--iters`` after ``--warmup``, a mode's slowest rank),
+the speed-up over the matching baseline, each rank's peak memory (on the GPU
+``torch.cuda.max_memory_allocated``; on the CPU the bytes counted by
+:class:`omni_diffusion.vae_parallel.PeakMemoryTracker` during one extra decode), the largest
+rank's peak as a fraction of the baseline's, and the relative L2 error of rank 0's output
+against the baseline's (and the untiled one). Target (issue 11): Wan 720p decode >= 3x faster
+with <= 40% of the 1-GPU peak memory per GPU at 4 GPUs in spatial mode.
 
-* ``tile``: diffusers' tiles spread over the ranks (each rank decodes ``1/N`` of the tiles,
-  every rank gets every tile);
-* ``spatial``: the feature map split along its height through the whole decoder (halo
-  exchange at the convolutions, all-reduced GroupNorm statistics), rows gathered at the end.
-
-Per run: the decode time (median over ``--iters`` after ``--warmup``; for a mode the slowest
-rank's median), the speed-up over the matching 1-GPU baseline, each rank's peak memory
-(``torch.cuda.max_memory_allocated`` after a reset, weights and latent included, on the GPU;
-on the CPU the bytes of tensors created during one extra decode, counted by
-:class:`omni_diffusion.vae_parallel.PeakMemoryTracker`, which in tile mode also counts up to one
-of the FakeTensors that trace other ranks' tiles), the largest rank's peak as a fraction
-of the baseline's, and the relative L2 error of rank 0's output against the baseline's output
-(and against the untiled one). Rank 0 writes, per model,
-``vae_parallel_scaling_<model>[-smoke]_x<N>_<device>_<date>.json`` and ``.md`` to
-``--out-dir`` (default ``$OUT``, else ``bench/results/parallel/``) and prints the table.
-
-Target (issue 11): Wan 720p decode >= 3x faster with <= 40% of the 1-GPU peak memory per GPU at
-4 GPUs in spatial mode.
-
-Keep NVLink multicast off on shared multi-GPU hosts, as ``scripts/device_gpu.sh`` does::
+Record (rank 0, per model): ``vae_parallel_scaling_<model>[-smoke]_x<N>_<device>_<date>.json``
+and ``.md`` in ``--out-dir`` (default ``$OUT``, else ``bench/results/parallel/``); the table is
+printed. Keep NVLink multicast off on shared hosts, as ``scripts/device_gpu.sh`` does::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     torchrun --nproc_per_node 4 bench/vae_parallel_scaling.py --model wan
-    torchrun --nproc_per_node 8 bench/vae_parallel_scaling.py --model flux --modes spatial
     torchrun --nproc_per_node 2 bench/vae_parallel_scaling.py --smoke   # CPU check, both VAEs
 """
 
