@@ -221,7 +221,7 @@ def test_gpu_cuda_sm90_split_last_wave(kv_splits):
 
 
 # V key-block magnitudes (one scale each). "mixed": the unit changes of everyday data.
-# "extreme" (bfloat16 reaches there; 3394df3's kernel gave NaN): blocks that would have
+# "extreme" (bfloat16 reaches there; an earlier kernel gave NaN there): blocks that would have
 # subnormal scales or scales 1e15-1e30 below the largest, before and after a 1e3 block (sample
 # 0 only); the quantizer's V floor (reference.V_AMAX_FLOOR) raises them to 2^-30.
 V_BLOCK_MAGNITUDES = {
