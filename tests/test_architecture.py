@@ -173,6 +173,13 @@ def test_modules_stay_readable_in_size():
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split by responsibility):\n" + "\n".join(too_long)
 
 
+@pytest.mark.parametrize("folder", ["bench", "tests"])
+def test_benchmarks_and_tests_stay_readable_in_size(folder):
+    too_long = [f"{path.relative_to(ROOT)}: {n} lines" for path in sorted((ROOT / folder).rglob("*.py"))
+                if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split by responsibility):\n" + "\n".join(too_long)
+
+
 def test_functions_stay_readable_in_size():
     too_long = []
     for module in MODULES.values():
