@@ -40,11 +40,12 @@ def create_app(engines: Engine | list[Engine], *, api_key: str | None = None, mo
     """The app serving ``engines`` (one :class:`Engine` or a list, at most one per kind).
 
     Args:
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise),
+            ``/v1/files/*`` the key or its url's signature, ``/health/ready`` the key for details.
         model_id: the id ``/v1/models`` lists and requests may name, for engines without
             their own ``name``.
         default_size: ``"WxH"`` used when a request gives no size.
-        file_ttl: seconds a ``response_format="url"`` file stays available.
+        file_ttl: seconds a ``response_format="url"`` file (and its signed url) stays available.
         manage_engine: start and stop the engine in the app's lifespan.
     """
     parse_size(default_size)

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--file-ttl", type=float, default=3600.0,
-                        help="seconds a response_format=url file stays available")
+                        help="seconds a response_format=url file (and its signed url) stays "
+                             "available")
     parser.add_argument("--log-level", default="info")
     g = parser.add_argument_group("batching and replicas")
     g.add_argument("--max-batch", type=int, default=8, metavar="N",

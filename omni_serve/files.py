@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import re
 import secrets
@@ -27,6 +29,7 @@ class FileStore:
         self._owned = directory is None
         self._index: dict[str, tuple[str, float, str]] = {}
         self._lock = threading.Lock()
+        self._secret = secrets.token_bytes(32)  # per server: URLs die with the process
 
     @property
     def dir(self) -> str:
@@ -45,6 +48,25 @@ class FileStore:
             self._index[name] = (path, time.time() + self.ttl, media_type)
         self.expire()
         return name
+
+    def _signature(self, name: str, expires: str) -> str:
+        message = f"{name}\n{expires}".encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def signed_query(self, name: str) -> str:
+        """``expires=<unix time>&signature=<HMAC-SHA256>``: lets ``name`` be fetched without
+        the API key (a browser's ``<img>``) until the file's time limit passes."""
+        expires = str(int(time.time() + self.ttl))
+        return f"expires={expires}&signature={self._signature(name, expires)}"
+
+    def check_signature(self, name: str, expires: str, signature: str) -> str | None:
+        """None when ``signature`` signs ``name`` until ``expires`` and that has not passed;
+        else why not."""
+        if not hmac.compare_digest(signature.encode(), self._signature(name, expires).encode()):
+            return "the signature does not match this file and expiry"
+        if int(expires) < time.time():  # signed by us, so an integer
+            return "the signed URL has expired"
+        return None
 
     def get(self, name: str) -> tuple[str, str] | None:
         if not _FILE_NAME.match(name):

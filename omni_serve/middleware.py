@@ -11,17 +11,36 @@ from omni_serve.errors import APIError
 from omni_serve.state import server_state
 
 
-def require_api_key(request: Request) -> None:
-    """The dependency guarding ``/v1/*``: ``Authorization: Bearer <key>`` when a key is set."""
+def has_api_key(request: Request) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <key>`` (True when no key is set)."""
     api_key = server_state(request).api_key
     if api_key is None:
-        return
+        return True
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ""
-    if not hmac.compare_digest(given.encode(), api_key.encode()):
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def require_api_key(request: Request) -> None:
+    """The dependency guarding ``/v1/*``: ``Authorization: Bearer <key>`` when a key is set."""
+    if not has_api_key(request):
         raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_key_or_signature(request: Request, name: str, expires: str | None = None,
+                             signature: str | None = None) -> None:
+    """The dependency guarding ``/v1/files/{name}``: the API key, or the signed, expiring
+    query the server put in the ``url`` it returned (403 when tampered with or expired)."""
+    if expires is None and signature is None or has_api_key(request):
+        return require_api_key(request)
+    if expires is None or signature is None:
+        raise APIError(403, "a signed file URL needs both 'expires' and 'signature'",
+                       param="signature", code="invalid_signature")
+    problem = server_state(request).files.check_signature(name, expires, signature)
+    if problem is not None:
+        raise APIError(403, problem, param="signature", code="invalid_signature")
 
 
 def _outcome(status: int) -> str:

@@ -36,6 +36,16 @@ class ServerState:
     def name_of(self, engine: Engine) -> str:
         return engine.name or self.model_id
 
+    def engine_named(self, name: str, status: int) -> Engine:
+        """The engine served as ``name``; APIError ``status`` naming the served models when
+        there is none."""
+        engine = next((e for e in self.engines if self.name_of(e) == name), None)
+        if engine is None:
+            names = ", ".join(repr(self.name_of(e)) for e in self.engines)
+            raise APIError(status, f"model {name!r} is not served here; this server serves "
+                                   f"{names}", param="model", code="model_not_found")
+        return engine
+
     def engine_for(self, req, kind: str) -> Engine:
         """The engine that serves ``req``: the one it names, else the first of ``kind``
         (else the first); APIError when it names none of them, makes another kind, or its
@@ -43,11 +53,7 @@ class ServerState:
         if req.model is None:
             engine = next((e for e in self.engines if e.kind == kind), self.engines[0])
         else:
-            engine = next((e for e in self.engines if self.name_of(e) == req.model), None)
-            if engine is None:
-                names = ", ".join(repr(self.name_of(e)) for e in self.engines)
-                raise APIError(400, f"model {req.model!r} is not served here; this server "
-                                    f"serves {names}", param="model", code="model_not_found")
+            engine = self.engine_named(req.model, status=400)
         if engine.kind is not None and engine.kind != kind:
             raise APIError(400, f"model {self.name_of(engine)!r} generates {engine.kind}s, "
                                 f"not {kind}s", param="model", code="unsupported_model")

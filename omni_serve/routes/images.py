@@ -13,14 +13,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omni_serve.engine import TERMINAL, Engine, Job
 from omni_serve.errors import APIError, job_error
 from omni_serve.media import IMAGE_MEDIA_TYPES
-from omni_serve.middleware import require_api_key
+from omni_serve.middleware import require_api_key, require_key_or_signature
 from omni_serve.schemas import ImageGenerationRequest, error_body
 from omni_serve.state import ServerState, server_state, size_of
 
 router = APIRouter()
 
 
-@router.get("/v1/files/{name}")
+@router.get("/v1/files/{name}", dependencies=[Depends(require_key_or_signature)])
 async def get_file(name: str, server: ServerState = Depends(server_state)):
     entry = server.files.get(name)
     if entry is None:
@@ -38,7 +38,10 @@ def image_payload(server: ServerState, job: Job, request: Request,
         if req.response_format == "url":
             name = server.files.put(image, req.output_format,
                                     IMAGE_MEDIA_TYPES[req.output_format])
-            data.append({"url": str(request.base_url) + f"v1/files/{name}"})
+            url = str(request.base_url) + f"v1/files/{name}"
+            if server.api_key is not None:  # so a browser's <img> can load it without the key
+                url += "?" + server.files.signed_query(name)
+            data.append({"url": url})
         else:
             data.append({"b64_json": base64.b64encode(image).decode()})
     return {"created": int(job.created), "data": data, "output_format": req.output_format,

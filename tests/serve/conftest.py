@@ -149,6 +149,15 @@ def server(flux_dir, tmp_path_factory):
     yield from _ready(srv)
 
 
+@pytest.fixture(scope="module")
+def keyed_server(flux_dir, tmp_path_factory):
+    """The tiny Flux behind ``--api-key test-key``, its url files living 4 s."""
+    srv = Server(flux_dir, "--default-size", "32x32", "--model-name", "tiny-flux",
+                 "--attention", "none", "--api-key", "test-key", "--file-ttl", "4",
+                 log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield from _ready(srv)
+
+
 def _parse_sse(text: str) -> list[tuple[str | None, object]]:
     """``[(event name or None, parsed data)]``; ``[DONE]`` stays a string."""
     import json

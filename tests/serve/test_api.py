@@ -241,6 +241,20 @@ def test_api_key():
     run(main())
 
 
+def test_model_retrieve_and_unknown_model_404():
+    async def main():
+        client, _ = _client()
+        async with client:
+            listed = (await client.get("/v1/models")).json()["data"][0]
+            assert (await client.get("/v1/models/stub-model")).json() == listed
+            r = await client.get("/v1/models/gpt-image-1")
+            assert r.status_code == 404
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == ("model", "model_not_found")
+            assert "'gpt-image-1'" in error["message"] and "'stub-model'" in error["message"]
+    run(main())
+
+
 def test_queue_full_gives_429_with_retry_after():
     async def main():
         client, engine = _client(StubEngine(max_queue=1, hold=True))

@@ -85,6 +85,56 @@ def test_openai_python_sdk_images(server):
     assert streamed[-1].output_format == "webp" and _image(streamed[-1].b64_json).format == "WEBP"
 
 
+def test_openai_python_sdk_models_retrieve(server):
+    """The SDK's models.retrieve: OpenAI's Model object as /v1/models lists it; an unknown id
+    is the SDK's NotFoundError naming it and the served models."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    model = client.models.retrieve("tiny-flux")
+    assert (model.id, model.object, model.owned_by, model.created) == ("tiny-flux", "model",
+                                                                       "omni", 0)
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("dall-e-3")
+    assert "'dall-e-3'" in str(missing.value) and "'tiny-flux'" in str(missing.value)
+
+
+def test_api_key_guards_files_and_health_details(keyed_server):
+    """With --api-key: a url file needs the key or the signed, expiring query the server put
+    in the url (401 unsigned, 403 tampered or expired); /health/ready shows only its status
+    without the key."""
+    key = {"Authorization": "Bearer test-key"}
+    bare = httpx.get(keyed_server.url + "/health/ready")
+    assert bare.status_code == 200 and bare.json() == {"status": "ready"}
+    full = httpx.get(keyed_server.url + "/health/ready", headers=key).json()
+    assert full["workers"][0]["worker_pid"] > 0
+    assert httpx.get(keyed_server.url + "/v1/models/tiny-flux").status_code == 401
+    assert httpx.get(keyed_server.url + "/v1/models/tiny-flux", headers=key).status_code == 200
+    r = httpx.post(keyed_server.url + GEN, headers=key, timeout=60,
+                   json={"prompt": "a", "num_inference_steps": 1, "response_format": "url"})
+    assert r.status_code == 200, r.text
+    url = r.json()["data"][0]["url"]
+    unsigned, _, query = url.partition("?")
+    fields = dict(part.split("=", 1) for part in query.split("&"))
+    assert set(fields) == {"expires", "signature"}
+    assert httpx.get(url).content.startswith(b"\x89PNG")  # what a browser's <img> does
+    assert httpx.get(unsigned, headers=key).content.startswith(b"\x89PNG")
+    denied = httpx.get(unsigned)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    later = str(int(fields["expires"]) + 3600)
+    flipped = fields["signature"][:-1] + ("0" if fields["signature"][-1] != "0" else "1")
+    for tampered in (f"expires={later}&signature={fields['signature']}",
+                     f"expires={fields['expires']}&signature={flipped}",
+                     f"signature={fields['signature']}"):
+        r = httpx.get(f"{unsigned}?{tampered}")
+        assert r.status_code == 403, tampered
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    time.sleep(max(0.0, int(fields["expires"]) + 1.1 - time.time()))
+    expired = httpx.get(url)
+    assert expired.status_code == 403 and "expired" in expired.json()["error"]["message"]
+
+
 def test_concurrent_results_belong_to_their_requests(server):
     def body(seed):
         return {"prompt": f"prompt {seed}", "num_inference_steps": 2, "seed": seed}
