@@ -8,10 +8,12 @@
 
 ``MODEL`` is a local directory in diffusers' ``save_pretrained`` layout or a
 hub id (downloaded through ``huggingface_hub``; offline that fails with a
-message saying so). The acceleration flags are :func:`omni_diffusion.config.add_cli_arguments`'
+message saying so); without it, the embedded digits image model
+(:mod:`omni_diffusion.embedded`). On an embedded model the size, frames and prompt
+length left unset are the ones it was trained for (32x32), not the pipeline's. The acceleration flags are :func:`omni_diffusion.config.add_cli_arguments`'
 (``--attention``, ``--quant``, ``--cache``, ``--compile``, ...). Images are
-saved as PNG; videos as MP4 when imageio (with its ffmpeg plugin) is
-installed, else as numbered PNG frames in a directory named after the output.
+saved as PNG; videos as MP4 (H.264, written by PyAV) when PyAV is installed, else as
+numbered PNG frames in a directory named after the output.
 A progress bar (tqdm) shows the denoising steps; a summary with timings and
 cache hits is printed at the end (``--json PATH`` writes it as JSON too).
 """
@@ -45,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-generate",
         description="Generate an image or video with a diffusers pipeline accelerated by omni.",
     )
-    parser.add_argument("model", help="local pipeline directory (save_pretrained layout) or hub id")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local pipeline directory (save_pretrained layout) or hub id "
+                             "(default: the embedded digits image model)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (pipeline default)")
@@ -72,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_pipeline(model: str, dtype, local_files_only: bool):
+def _load_pipeline(model: str | None, dtype, local_files_only: bool):
+    if model is None:
+        from omni_diffusion.embedded import load_embedded_pipeline
+
+        try:
+            return load_embedded_pipeline("image", dtype)
+        except FileNotFoundError as exc:
+            raise CLIError(f"no MODEL given and the embedded default model is not installed "
+                           f"({exc}); pass a diffusers folder or hub id") from exc
     try:
         from diffusers import DiffusionPipeline
     except ImportError as exc:  # pragma: no cover - diffusers is a dependency
@@ -99,7 +111,10 @@ def _load_pipeline(model: str, dtype, local_files_only: bool):
 
 
 def _call_kwargs(pipe, args, generator) -> tuple[dict[str, Any], bool]:
+    from omni_diffusion.embedded import native_call_kwargs
+
     params = inspect.signature(pipe.__call__).parameters
+    native = native_call_kwargs(args.model)
     wanted: dict[str, Any] = dict(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -118,6 +133,8 @@ def _call_kwargs(pipe, args, generator) -> tuple[dict[str, Any], bool]:
         wanted["image"] = Image.open(args.image).convert("RGB")
     kwargs = {}
     for name, value in wanted.items():
+        if value is None and name in native and name in params:
+            value = native[name]  # what the embedded model was trained for
         if value is None:
             continue
         if name not in params:
@@ -149,27 +166,25 @@ def _to_uint8_frames(frames) -> list:
 
 
 def save_video(frames, output: Path, fps: int) -> tuple[Path, str | None]:
-    """MP4 via imageio (ffmpeg plugin) when it can; else PNG frames. Returns (path, note)."""
+    """MP4 via PyAV when it is installed; else PNG frames. Returns (path, note)."""
     from PIL import Image
 
-    images = _to_uint8_frames(frames)
-    try:
-        import imageio.v2 as imageio  # noqa: F401
+    from omni_diffusion.mp4 import write_mp4
 
-        output.parent.mkdir(parents=True, exist_ok=True)
-        with imageio.get_writer(str(output), fps=fps) as writer:
-            for frame in images:
-                writer.append_data(frame)
+    images = _to_uint8_frames(frames)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_mp4(images, output, fps)
         return output, None
-    except Exception as exc:  # noqa: BLE001 - imageio or its ffmpeg backend missing
+    except ImportError as exc:
         reason = f"{type(exc).__name__}: {exc}"
     folder = output.with_suffix("")
     folder = folder.parent / (folder.name + "_frames")
     folder.mkdir(parents=True, exist_ok=True)
     for index, frame in enumerate(images):
         Image.fromarray(frame).save(folder / f"frame_{index:04d}.png")
-    note = (f"MP4 needs imageio with its ffmpeg plugin (pip install imageio imageio-ffmpeg): "
-            f"{reason}; saved {len(images)} PNG frames instead")
+    note = (f"MP4 needs PyAV (pip install av): {reason}; "
+            f"saved {len(images)} PNG frames instead")
     return folder, note
 
 
@@ -263,7 +278,7 @@ def _run(args, config) -> int:
 
     stats = omni_diffusion.last_cache_stats(pipe)
     summary = dict(
-        model=args.model,
+        model=args.model or "embedded:image",
         pipeline=type(pipe).__name__,
         device=device,
         dtype=dtype_name,

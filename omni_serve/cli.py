@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         accel = from_cli_args(args).to_dict()
         if args.default_size is None:
-            # The embedded model was trained at 32x32; real models default to 1024x1024.
-            args.default_size = "32x32" if args.model is None else "1024x1024"
+            # the embedded models' trained size (32x32); other models default to 1024x1024
+            from omni_diffusion.embedded import native_call_kwargs
+
+            native = native_call_kwargs(args.model)
+            args.default_size = f"{native['width']}x{native['height']}" if native else "1024x1024"
         parse_size(args.default_size)
     except ValueError as exc:
         parser.error(str(exc))

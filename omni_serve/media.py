@@ -27,35 +27,19 @@ def encode_mp4(frames: list[bytes], fps: int = FPS) -> bytes:
     """The frames (PNG bytes, equal sizes) as an H.264 MP4 (yuv420p, moov atom first, so a
     browser can start playing before the whole file arrives)."""
     try:
-        import av
+        import av  # noqa: F401 - only to say clearly when it is missing
     except ImportError as exc:
         raise RuntimeError("MP4 output needs PyAV (pip install av, part of omni[serve]); "
                            "ask for format=apng or format=frames instead") from exc
     import numpy as np
 
+    from omni_diffusion.mp4 import write_mp4
+
     images = [np.asarray(im) for im in _frames(frames)]
-    height, width = images[0].shape[:2]
-    # yuv420p subsamples chroma 2x2: odd sides get their last row/column repeated
-    pad_h, pad_w = height % 2, width % 2
     with tempfile.TemporaryDirectory(prefix="omni-serve-mp4-") as tmp:
         # +faststart rewrites the file to move the index first; it needs a real path
         path = os.path.join(tmp, "video.mp4")
-        with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as out:
-            stream = out.add_stream("libx264", rate=fps)
-            stream.width, stream.height = width + pad_w, height + pad_h
-            stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": "18", "preset": "veryfast"}
-            for arr in images:
-                if arr.shape[:2] != (height, width):
-                    raise ValueError(f"frames: sizes differ ({arr.shape[1]}x{arr.shape[0]} vs "
-                                     f"{width}x{height}); allowed: equal sizes")
-                if pad_h or pad_w:
-                    arr = np.pad(arr, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")
-                for packet in stream.encode(frame):
-                    out.mux(packet)
-            for packet in stream.encode():  # flush the encoder's delayed frames
-                out.mux(packet)
+        write_mp4(images, path, fps)
         with open(path, "rb") as f:
             return f.read()
 

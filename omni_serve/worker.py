@@ -261,11 +261,9 @@ def run_worker(model: str | None, accel: dict | None, device: str, dtype_name: s
         events.put(("fatal", f"{type(exc).__name__}: {exc}"))
         return
     kind = _model_kind(pipe)
-    defaults = None
-    if model is None:
-        from omni_diffusion.embedded import CALL_KWARGS
+    from omni_diffusion.embedded import native_call_kwargs
 
-        defaults = CALL_KWARGS[kind]
+    defaults = native_call_kwargs(model, kind) or None
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if device.startswith("cuda") else []
     events.put(("ready", {"kind": kind, "pipeline": type(pipe).__name__,

@@ -19,6 +19,7 @@ Retrain with ``python -m omni_diffusion.embedded.train --kind video``; score wit
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -47,6 +48,23 @@ def embedded_pipeline_path(kind: str = "image") -> Path:
     return path
 
 
+def native_call_kwargs(model: str | os.PathLike | None, kind: str = "image") -> dict:
+    """The call arguments (size, frames, prompt length) ``model`` was trained for, to fill what
+    a caller leaves unset: :data:`CALL_KWARGS` of ``kind`` when ``model`` is None (the embedded
+    default), of the folder's kind when ``model`` is an embedded model folder, else ``{}`` (the
+    pipeline's own defaults apply)."""
+    if model is None:
+        return dict(CALL_KWARGS[kind])
+    resolved = Path(model).expanduser().resolve()
+    for folder_kind in KINDS:
+        try:
+            if embedded_pipeline_path(folder_kind) == resolved:
+                return dict(CALL_KWARGS[folder_kind])
+        except FileNotFoundError:
+            continue
+    return {}
+
+
 def load_embedded_pipeline(kind: str = "image", dtype: torch.dtype = torch.float32,
                            device: str | torch.device = "cpu"):
     """The embedded ``kind`` pipeline, in ``dtype`` on ``device``, progress bar off."""
@@ -60,4 +78,4 @@ def load_embedded_pipeline(kind: str = "image", dtype: torch.dtype = torch.float
 
 
 __all__ = ["CALL_KWARGS", "IMAGE_CALL_KWARGS", "KINDS", "VIDEO_CALL_KWARGS", "embedded_pipeline_path",
-           "load_embedded_pipeline"]
+           "load_embedded_pipeline", "native_call_kwargs"]
