@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from omni_diffusion._fields import known_fields, not_allowed
+from omni_diffusion._fields import choice, known_fields, not_allowed
 
 VAE_MODES = ("tile", "spatial", "auto")
 #: mesh dimension names, outermost first
@@ -66,8 +66,7 @@ class ParallelConfig:
                 raise not_allowed("ParallelConfig", field, value, "an integer >= 1")
         if self.cfg > 2:
             raise not_allowed("ParallelConfig", "cfg", self.cfg, "1 or 2 (one rank per guidance branch)")
-        if self.vae_mode not in VAE_MODES:
-            raise not_allowed("ParallelConfig", "vae_mode", self.vae_mode, ", ".join(map(repr, VAE_MODES)))
+        object.__setattr__(self, "vae_mode", choice("ParallelConfig", "vae_mode", self.vae_mode, VAE_MODES))
 
     # ------------------------------------------------------------------ sizes
 
