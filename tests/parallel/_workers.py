@@ -440,3 +440,27 @@ def vae_parallel_undo_case(rank, world):
     od.accelerate(pipe, od.AccelConfig(attention="sdpa_math"))  # refused while half-undone
     od.undo(pipe)
     return dict(installed=installed, error=error, left=left)
+
+
+def vae_only_case(rank, world, vae, vae_mode):
+    """accelerate() with ``ParallelConfig(vae=vae)`` alone (the transformer replicated on every
+    rank) against the same pipeline decoded whole; returns (max abs diff, max |ref|, the VAE's
+    parallel mode while accelerated, the VAE group's size)."""
+    import omni_diffusion as od
+    from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
+    from omni_diffusion.vae_parallel import vae_parallel_mode
+
+    pipe = tiny_pipeline("flux")
+
+    def generate():
+        with torch.no_grad():
+            kwargs = tiny_call_kwargs("flux", steps=2, pipe=pipe, output_type="pt")
+            return output_tensor(pipe(**kwargs)).float()
+
+    ref = generate()
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math", parallel=od.ParallelConfig(vae=vae, vae_mode=vae_mode)))
+    try:
+        out, mode = generate(), vae_parallel_mode(pipe.vae)
+    finally:
+        od.undo(pipe)
+    return (out - ref).abs().max().item(), ref.abs().max().item(), mode
