@@ -210,6 +210,8 @@ def step_callback(progress: ProgressFn, callback: Callable | None = None) -> Cal
 def _apply(pipe: Any, state: _Accelerated) -> None:
     config, adapter = state.config, state.adapter
     runtime = None
+    if config.attention not in (None, ATTENTION_AUTO):  # checked before anything is changed
+        _check_attention_device(config.attention, state.transformers)
     if config.parallel is not None:  # validated before any collective, then the mesh is built
         from omni_diffusion.parallel import prepare
 
@@ -272,6 +274,22 @@ def _apply(pipe: Any, state: _Accelerated) -> None:
     if (config.cache is not None or state.progress is not None or state.prompt_stage is not None) \
             and not isinstance(pipe, nn.Module):
         state.undos.append(("pipeline __call__", _wrap_call(pipe, state)))
+
+
+def _check_attention_device(backend: str, transformers: dict[str, nn.Module]) -> None:
+    """Raise ``ValueError`` when ``backend`` cannot run on the device of a transformer
+    (known from its weights), rather than at the pipeline's first call."""
+    from omni_kernels.attention import backend_status
+
+    for name, transformer in transformers.items():
+        device = _module_device(transformer)
+        if device is None or device.type == "meta":
+            continue
+        status = backend_status(device)
+        if status.get(backend) is not None:
+            usable = [ATTENTION_AUTO, *(b for b, reason in status.items() if reason is None), None]
+            raise ValueError(f"AccelConfig.attention: {backend!r} cannot run on {name}'s device {device}: "
+                             f"{status[backend]}; allowed there: {', '.join(map(repr, usable))}")
 
 
 def _wants_fused_norm_rope(name: str, transformer: nn.Module, adapter: ModelAdapter, config: AccelConfig) -> bool:

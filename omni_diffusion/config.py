@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from omni_diffusion._fields import known_fields, not_allowed
+from omni_diffusion._fields import choice, known_fields, not_allowed
 from omni_kernels.quant import QUANT_METHODS
 
 CACHE_KINDS = ("first_block", "teacache", "cache_dit")
@@ -93,8 +93,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         name = "CacheConfig"
-        if self.kind not in CACHE_KINDS:
-            raise not_allowed(name, "kind", self.kind, _allowed(CACHE_KINDS))
+        object.__setattr__(self, "kind", choice(name, "kind", self.kind, CACHE_KINDS))
         threshold = self.threshold
         if threshold is None:
             threshold = DEFAULT_THRESHOLDS[self.kind]
@@ -240,16 +239,10 @@ class AccelConfig:
                 raise not_allowed(name, field, value, f"None, a {cls.__name__}, a dict of its fields or a model")
             object.__setattr__(self, field, value)
         if self.attention is not None:
-            if not isinstance(self.attention, str):
-                raise not_allowed(name, "attention", self.attention, "'auto', an omni backend name or None")
-            attention = self.attention.lower()
-            backends = attention_backend_names()
-            if attention != ATTENTION_AUTO and attention not in backends:
-                raise not_allowed(name, "attention", self.attention,
-                                  _allowed([ATTENTION_AUTO, *backends, None]))
-            object.__setattr__(self, "attention", attention)
-        if self.quant is not None and self.quant not in QUANT_METHODS:
-            raise not_allowed(name, "quant", self.quant, _allowed([None, *QUANT_METHODS]))
+            object.__setattr__(self, "attention", choice(
+                name, "attention", self.attention, [ATTENTION_AUTO, *attention_backend_names()], ", None"))
+        if self.quant is not None:
+            object.__setattr__(self, "quant", choice(name, "quant", self.quant, QUANT_METHODS, ", None"))
         skip = self.quant_skip
         if isinstance(skip, str):
             skip = (skip,)

@@ -130,6 +130,7 @@ class CacheController:
         self._installed: list[tuple[nn.ModuleList, type]] = []
         self._handles: list[Any] = []
         self._wrapped_cache_context = False
+        self._warned_no_skip = False
 
     @staticmethod
     def _find_param(fn, name: str) -> int | None:
@@ -231,6 +232,12 @@ class CacheController:
         total = info.get("num_inference_steps")
         if total is None and gen.pipe is not None:
             total = getattr(gen.pipe, "_num_timesteps", None)
+        if total is not None and not self._warned_no_skip and total <= self.warmup_steps + self.final_steps:
+            self._warned_no_skip = True  # once per install: a server would repeat it every request
+            logger.warning(
+                "%s cache on %s: %d steps are within its %d warm-up + %d final steps, which always "
+                "compute, so no step can be skipped; use more steps or fewer warm-up/final steps",
+                self.kind, self.denoiser, total, self.warmup_steps, self.final_steps)
         state = PassState(branch=branch, step=int(step), total=total)
         state.disabled = any(kwargs.get(k) is not None for k in self.adapter.cache_disabling_kwargs)
         gen.passes[id(self)] = state

@@ -11,6 +11,7 @@ does both for a pipeline used without ``accelerate()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ class ParallelRuntime:
         from omni_diffusion.parallel.cfg_parallel import enable_cfg_parallel
         from omni_diffusion.parallel.sequence_attention import SequenceGroups
         from omni_diffusion.parallel.usp import enable_sequence_parallel
-        from omni_diffusion.vae_parallel import parallelize_vae
+        from omni_diffusion.vae_parallel import parallelize_vae, unparallelize_vae
 
         undos = []
         try:
@@ -83,9 +84,9 @@ class ParallelRuntime:
                                                  self.mesh.group("cfg"), self.mesh.rank("cfg"),
                                                  self.config.cfg))
             if self.config.vae > 1:
-                result = parallelize_vae(self.pipe.vae, self.mesh.vae_group, self.config.vae_mode)
-                if callable(result):
-                    undos.append(result)
+                vae = self.pipe.vae
+                parallelize_vae(vae, self.mesh.vae_group, self.config.vae_mode)
+                undos.append(functools.partial(unparallelize_vae, vae))
         except BaseException:
             _chain(undos)()
             raise
@@ -93,9 +94,17 @@ class ParallelRuntime:
 
 
 def _chain(undos: list[Callable[[], None]]) -> Callable[[], None]:
+    """One undo running ``undos`` last-first; every one runs even when an earlier one
+    raises (a half-undone pipeline cannot be accelerated again), then the first error is raised."""
     def undo() -> None:
+        first: BaseException | None = None
         for fn in reversed(undos):
-            fn()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - undo the rest, raise after
+                first = first or exc
+        if first is not None:
+            raise first
 
     return undo
 

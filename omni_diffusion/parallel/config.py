@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from omni_diffusion._fields import known_fields, not_allowed
+from omni_diffusion._fields import choice, known_fields, not_allowed
 
 VAE_MODES = ("tile", "spatial", "auto")
 #: mesh dimension names, outermost first
@@ -47,7 +47,9 @@ class ParallelConfig:
             and MLPs); must divide the heads and MLP widths.
         vae: VAE group degree: that many ranks decode together through
             ``omni_diffusion.vae_parallel.parallelize_vae``; must divide the
-            world size.
+            world size. With every other degree 1 (VAE-only parallelism) the
+            world may be any multiple of ``vae``: each rank then runs the
+            transformer whole (replicated).
         vae_mode: ``"tile"``, ``"spatial"`` or ``"auto"``, passed to
             ``parallelize_vae``.
     """
@@ -66,8 +68,7 @@ class ParallelConfig:
                 raise not_allowed("ParallelConfig", field, value, "an integer >= 1")
         if self.cfg > 2:
             raise not_allowed("ParallelConfig", "cfg", self.cfg, "1 or 2 (one rank per guidance branch)")
-        if self.vae_mode not in VAE_MODES:
-            raise not_allowed("ParallelConfig", "vae_mode", self.vae_mode, ", ".join(map(repr, VAE_MODES)))
+        object.__setattr__(self, "vae_mode", choice("ParallelConfig", "vae_mode", self.vae_mode, VAE_MODES))
 
     # ------------------------------------------------------------------ sizes
 
@@ -85,13 +86,18 @@ class ParallelConfig:
         """True when anything is split across ranks."""
         return self.world_size > 1 or self.vae > 1
 
+    @property
+    def vae_only(self) -> bool:
+        """True when only the VAE is split: the transformer runs whole on every rank."""
+        return self.world_size == 1 and self.vae > 1
+
     def check_world(self, world_size: int) -> None:
         """Raise ``ValueError`` unless this config fits ``world_size`` ranks (no collective)."""
-        if world_size != self.world_size:
+        if world_size != self.world_size and not self.vae_only:
             raise ValueError(
                 f"ParallelConfig(cfg={self.cfg}, ring={self.ring}, ulysses={self.ulysses}, "
                 f"tp={self.tp}) needs cfg*ring*ulysses*tp = {self.world_size} ranks, but the "
-                f"world size is {world_size}"
+                f"world size is {world_size} (only with all four 1 may vae alone split any world)"
             )
         if world_size % self.vae:
             raise not_allowed("ParallelConfig", "vae", self.vae, f"a divisor of the world size {world_size}")
@@ -113,7 +119,9 @@ class ParallelMesh:
     ``mesh`` is the 4-D ``torch.distributed`` DeviceMesh over
     :data:`MESH_DIMS`; ``vae_mesh`` the 2-D one for the VAE (None when
     ``vae == 1``). ``group(name)`` returns a dimension's process group and
-    ``rank(name)`` this rank's coordinate along it.
+    ``rank(name)`` this rank's coordinate along it. With VAE-only parallelism
+    ``mesh`` has a leading ``"replica"`` dimension over the world (every other
+    dimension of size 1).
     """
 
     config: ParallelConfig
@@ -127,7 +135,7 @@ class ParallelMesh:
         return self.mesh.get_local_rank(name)
 
     def size(self, name: str) -> int:
-        return self.mesh.size(MESH_DIMS.index(name))
+        return self.mesh.size(self.mesh.mesh_dim_names.index(name))
 
     @property
     def sequence_rank(self) -> int:
@@ -164,7 +172,10 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Parall
     config.check_world(dist.get_world_size())
     device_type = device_type or default_device_type()
     shape = tuple(getattr(config, name) for name in MESH_DIMS)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    names = MESH_DIMS
+    if config.vae_only:  # the denoising dimensions span one rank, replicated over the world
+        shape, names = (dist.get_world_size() // config.world_size, *shape), ("replica", *MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     vae_mesh = None
     if config.vae > 1:
         world = dist.get_world_size()

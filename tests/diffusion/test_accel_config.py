@@ -86,6 +86,22 @@ def test_replace_revalidates_and_normalizes():
     assert AccelConfig(compile=True, cuda_graphs=True).torch_compile_mode == "reduce-overhead"
 
 
+def test_choice_fields_accept_any_case_and_normalize():
+    """quant, cache kind and vae_mode take any case, as attention does, and keep the
+    canonical lowercase name (what to_dict and the CLI show)."""
+    from omni_diffusion.parallel.config import ParallelConfig
+
+    config = AccelConfig(attention="SDPA_Math", quant="FP8", cache="TeaCache",
+                         parallel=ParallelConfig(cfg=2, vae=2, vae_mode="Spatial"))
+    assert (config.attention, config.quant, config.cache.kind, config.parallel.vae_mode) == \
+        ("sdpa_math", "fp8", "teacache", "spatial")
+    assert AccelConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match=r"ParallelConfig\.vae_mode: 'Diagonal' is not allowed; allowed: 'tile'"):
+        ParallelConfig(vae_mode="Diagonal")
+    with pytest.raises(ValueError, match=r"AccelConfig\.quant: 3 is not allowed; allowed: 'fp8'.*None"):
+        AccelConfig(quant=3)
+
+
 def test_dict_round_trip():
     config = AccelConfig(
         attention="omni_triton", quant="fp8", quant_skip=("*.proj_mlp",), quant_min_features=64,

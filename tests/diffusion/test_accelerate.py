@@ -438,6 +438,19 @@ def test_bad_configs_raise(flux, monkeypatch):
         od.undo(other)
 
 
+def test_attention_backend_ineligible_on_the_pipeline_device_raises_at_accelerate(flux):
+    """A backend that cannot run on the transformer's device is refused by accelerate(), naming
+    the backend, the reason and what can run there, not at the pipeline's first call."""
+    pipe = flux.pipe
+    with pytest.raises(ValueError) as info:
+        od.accelerate(pipe, od.AccelConfig(attention="SDPA_cuDNN"))
+    message = str(info.value)
+    assert "AccelConfig.attention: 'sdpa_cudnn' cannot run on transformer's device cpu" in message
+    assert "runs on cuda only" in message and "'sdpa_math'" in message and "'flash_attn'" not in message
+    assert not od.is_accelerated(pipe)
+    assert torch.equal(flux.run(), flux.reference)  # nothing was left installed
+
+
 def test_cache_dit_missing_is_a_clear_error(flux):
     try:
         import cache_dit  # noqa: F401

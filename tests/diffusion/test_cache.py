@@ -113,6 +113,27 @@ def test_step_rules():
     assert branch["distances"] == [2.0] * 5 and stats.hits == 4
 
 
+def test_no_skippable_step_is_warned_once(caplog):
+    """TeaCache on Flux (warm-up 1, final 1) over 2 steps cannot skip: one warning says so,
+    not one per call; 3 steps can skip, and say nothing."""
+    with caplog.at_level("WARNING", logger="omni_diffusion.cache"):
+        pipe = _pipe("flux")
+        od.accelerate(pipe, od.AccelConfig(attention=None, cache=od.CacheConfig(kind="teacache", threshold=1e6)))
+        try:
+            for _ in range(2):
+                pipe(**tiny_call_kwargs("flux", steps=2, cfg=False))
+            assert od.last_cache_stats(pipe).hits == 0
+        finally:
+            od.undo(pipe)
+    warnings = [r.getMessage() for r in caplog.records if "no step can be skipped" in r.getMessage()]
+    assert len(warnings) == 1 and "teacache" in warnings[0] and "2 steps" in warnings[0] \
+        and "1 warm-up + 1 final" in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="omni_diffusion.cache"):
+        stats = _flux_stats(3, kind="teacache", threshold=1e6)
+    assert stats.hits == 1 and not [r for r in caplog.records if "no step can be skipped" in r.getMessage()]
+
+
 def test_stats_per_call_and_collect(undo_after):
     pipe = _pipe("flux")
     od.accelerate(pipe, od.AccelConfig(attention=None, cache=od.CacheConfig("first_block", threshold=1e6)))

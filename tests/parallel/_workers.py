@@ -414,3 +414,53 @@ def compile_undo_order_case(rank, world, compile_undone_first):
     return dict(diff=(compiled - ref).abs().max().item(), scale=ref.abs().max().item(),
                 after_undo=(forward() - ref).abs().max().item(), inner_compiled=inner_compiled,
                 restored=restored, block_hooks=_block_hooks(adapter, model))
+
+
+def vae_parallel_undo_case(rank, world):
+    """accelerate() with Ulysses and spatial VAE parallelism on a tiny Flux, then undo().
+    Returns whether undo raised, what it left behind (the VAE's parallel mode, blocks with
+    an instance ``forward``), and whether the pipeline accelerates again."""
+    import omni_diffusion as od
+    from omni_diffusion.adapters import adapter_for
+    from omni_diffusion.testing import tiny_pipeline
+    from omni_diffusion.vae_parallel import vae_parallel_mode
+
+    pipe = tiny_pipeline("flux")
+    blocks = [b for _, blocks in adapter_for(pipe).blocks(pipe.transformer) for b in blocks]
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math", parallel=od.ParallelConfig(
+        ulysses=2, vae=2, vae_mode="spatial")))
+    installed = dict(vae_mode=vae_parallel_mode(pipe.vae),
+                     wrapped_blocks=sum("forward" in b.__dict__ for b in blocks))
+    try:
+        od.undo(pipe)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    left = dict(vae_mode=vae_parallel_mode(pipe.vae), wrapped_blocks=sum("forward" in b.__dict__ for b in blocks))
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math"))  # refused while half-undone
+    od.undo(pipe)
+    return dict(installed=installed, error=error, left=left)
+
+
+def vae_only_case(rank, world, vae, vae_mode):
+    """accelerate() with ``ParallelConfig(vae=vae)`` alone (the transformer replicated on every
+    rank) against the same pipeline decoded whole; returns (max abs diff, max |ref|, the VAE's
+    parallel mode while accelerated, the VAE group's size)."""
+    import omni_diffusion as od
+    from omni_diffusion.testing import output_tensor, tiny_call_kwargs, tiny_pipeline
+    from omni_diffusion.vae_parallel import vae_parallel_mode
+
+    pipe = tiny_pipeline("flux")
+
+    def generate():
+        with torch.no_grad():
+            kwargs = tiny_call_kwargs("flux", steps=2, pipe=pipe, output_type="pt")
+            return output_tensor(pipe(**kwargs)).float()
+
+    ref = generate()
+    od.accelerate(pipe, od.AccelConfig(attention="sdpa_math", parallel=od.ParallelConfig(vae=vae, vae_mode=vae_mode)))
+    try:
+        out, mode = generate(), vae_parallel_mode(pipe.vae)
+    finally:
+        od.undo(pipe)
+    return (out - ref).abs().max().item(), ref.abs().max().item(), mode

@@ -64,3 +64,23 @@ def test_bad_config_fails_before_any_collective(pools, case):
     family = family.removesuffix(WITHOUT_PLANS)
     messages = pools(world).run("bad_config_case", family, config, "vae_parallel" in message, strip)
     assert all(m is not None and re.search(message, m) for m in messages), messages
+
+
+def test_vae_alone_splits_any_multiple_of_its_degree():
+    config = ParallelConfig(vae=2)
+    assert config.vae_only and config.enabled
+    config.check_world(2)
+    config.check_world(4)
+    with pytest.raises(ValueError, match="ParallelConfig.vae: 2 is not allowed; allowed: a divisor of the world size 3"):
+        config.check_world(3)
+    with pytest.raises(ValueError, match="world size is 4"):  # with a denoising degree the product rules
+        ParallelConfig(cfg=2, vae=2).check_world(4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vae_only_parallelism_matches_single_process(pools, world):
+    """ParallelConfig(vae=2) alone through accelerate(): over 2 ranks (one VAE group) and 4
+    (two groups), the transformer whole on every rank; the decoded images equal the
+    single-process decode."""
+    for diff, scale, mode in pools(world).run("vae_only_case", 2, "spatial"):
+        assert mode == "spatial" and scale > 0.1 and diff <= 1e-4, (diff, scale, mode)
