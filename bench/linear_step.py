@@ -31,42 +31,6 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _flux_transformer_cuda():
-    """FluxTransformer2DModel at its default config, random weights, built directly on the GPU."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel()
-    model = model.to_empty(device=DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):  # nn.Linear's default init range
-                bound = module.in_features ** -0.5
-                module.weight.uniform_(-bound, bound, generator=gen)
-                if module.bias is not None:
-                    module.bias.uniform_(-bound, bound, generator=gen)
-        for name, param in model.named_parameters():
-            if not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear):
-                param.fill_(1.0 if name.endswith("weight") else 0.0)
-    return model.to(torch.bfloat16).eval()
-
-
-def _flux_inputs(height=64, width=64, text=512, seed=1):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    rows = torch.arange(height, device=DEVICE).repeat_interleave(width)
-    cols = torch.arange(width, device=DEVICE).repeat(height)
-    return dict(
-        hidden_states=torch.randn(1, height * width, 64, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, text, 4096, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        pooled_projections=torch.randn(1, 768, device=DEVICE, generator=gen, dtype=torch.bfloat16),
-        timestep=torch.tensor([0.5], device=DEVICE, dtype=torch.bfloat16),
-        img_ids=torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float(),
-        txt_ids=torch.zeros(text, 3, device=DEVICE),
-        return_dict=False,
-    )
-
-
 def _time_steps(model, inputs, steps: int) -> tuple[float, float, torch.Tensor]:
     """``(median ms, peak GiB during a step, output)``."""
     outputs = []
@@ -123,11 +87,12 @@ def run_transformer(budget, steps: int, variants) -> list[dict]:
     """One row per step variant (bf16 eager first, the reference); ``budget`` (linear.py's
     ``_Budget``) says when to skip the optional (and then all) measurements."""
     from omni_diffusion.quantization import QuantConfig, quantize
+    from omni_diffusion.testing import full_size_flux_inputs, full_size_flux_transformer
 
     rows = []
     torch.cuda.empty_cache()
-    model = _flux_transformer_cuda()
-    inputs = _flux_inputs()
+    model = full_size_flux_transformer(DEVICE)
+    inputs = full_size_flux_inputs(DEVICE)
     bf16_bytes = _model_bytes(model)
     ms, peak, ref = _time_steps(model, inputs, steps)
     ref = ref.float()
@@ -146,7 +111,7 @@ def run_transformer(budget, steps: int, variants) -> list[dict]:
             continue
         try:
             if model is None:  # the same random weights again (seeded), for the next method
-                model = _flux_transformer_cuda()
+                model = full_size_flux_transformer(DEVICE)
             quantize(model, QuantConfig(method=method, skip=FLUX_SKIP))
             gc.collect()
             torch.cuda.empty_cache()

@@ -232,6 +232,47 @@ _BUILDERS = {
 }
 
 
+def full_size_flux_transformer(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """FluxTransformer2DModel at its default (FLUX.1) widths, built on ``device`` with seeded random
+    weights: linears in nn.Linear's default range, norm weights 1 and biases 0; eval mode."""
+    from diffusers import FluxTransformer2DModel
+    from torch import nn
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel()
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                bound = module.in_features ** -0.5
+                module.weight.uniform_(-bound, bound, generator=gen)
+                if module.bias is not None:
+                    module.bias.uniform_(-bound, bound, generator=gen)
+        for name, param in model.named_parameters():
+            if not isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear):
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+    return model.to(dtype).eval()
+
+
+def full_size_flux_inputs(device: str | torch.device = "cuda", height: int = 64, width: int = 64,
+                          text: int = 512, seed: int = 1) -> dict:
+    """Seeded bf16 keyword inputs for :func:`full_size_flux_transformer`: ``height * width`` packed
+    image tokens [1, H*W, 64], T5 text [1, text, 4096], pooled CLIP [1, 768], 3-axis image ids."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    return dict(
+        hidden_states=torch.randn(1, height * width, 64, device=device, generator=gen, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, text, 4096, device=device, generator=gen, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(1, 768, device=device, generator=gen, dtype=torch.bfloat16),
+        timestep=torch.tensor([0.5], device=device, dtype=torch.bfloat16),
+        img_ids=torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float(),
+        txt_ids=torch.zeros(text, 3, device=device),
+        return_dict=False,
+    )
+
+
 def tiny_flux_transformer():
     """A 1+1-block FluxTransformer2DModel (fp32, eval) and keyword inputs for one forward.
 

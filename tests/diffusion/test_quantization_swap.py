@@ -20,6 +20,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 
+from omni_diffusion.testing import full_size_flux_inputs, full_size_flux_transformer  # noqa: E402
 from omni_diffusion.quantization import (  # noqa: E402
     QuantConfig,
     fused_attention,
@@ -107,44 +108,6 @@ def test_skipped_layers_are_untouched():
 # =========================================================================== GPU
 
 
-def _flux_transformer_cuda(dtype=torch.bfloat16):
-    """FluxTransformer2DModel at its default (Flux.1) widths, random weights, built on the GPU."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel()
-    model = model.to_empty(device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):  # nn.Linear's default init range
-                bound = module.in_features ** -0.5
-                module.weight.uniform_(-bound, bound, generator=gen)
-                if module.bias is not None:
-                    module.bias.uniform_(-bound, bound, generator=gen)
-        for name, param in model.named_parameters():
-            owner = model.get_submodule(name.rpartition(".")[0])
-            if not isinstance(owner, nn.Linear):  # norm weights 1, biases 0
-                param.fill_(1.0 if name.endswith("weight") else 0.0)
-    return model.to(dtype).eval()
-
-
-def _flux_inputs(seed=1, height=64, width=64, text=512):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows = torch.arange(height, device="cuda").repeat_interleave(width)
-    cols = torch.arange(width, device="cuda").repeat(height)
-    img_ids = torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).float()
-    return dict(
-        hidden_states=torch.randn(1, height * width, 64, device="cuda", generator=gen, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, text, 4096, device="cuda", generator=gen, dtype=torch.bfloat16),
-        pooled_projections=torch.randn(1, 768, device="cuda", generator=gen, dtype=torch.bfloat16),
-        timestep=torch.tensor([0.5], device="cuda", dtype=torch.bfloat16),
-        img_ids=img_ids,
-        txt_ids=torch.zeros(text, 3, device="cuda"),
-        return_dict=False,
-    )
-
-
 # The layers kept in bf16 for the Flux-shaped check: the input/conditioning embedders and the
 # output projection (tiny share of the FLOPs, where an error reaches the output unattenuated).
 FLUX_SKIP = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
@@ -171,8 +134,8 @@ def test_gpu_flux_transformer_step_error_and_memory(method):
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
     torch.cuda.empty_cache()
-    model = _flux_transformer_cuda()
-    inputs = _flux_inputs()
+    model = full_size_flux_transformer()
+    inputs = full_size_flux_inputs()
     bf16_bytes = _model_bytes(model)
     with torch.no_grad():
         ref = model(**inputs)[0].float()
